@@ -1,0 +1,34 @@
+"""Registry of compression methods: name -> config class. Adding a method is adding one file and
+one entry in `REGISTRY`."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from .base import CompressedCache, ConfigError, Method
+from .full import Full
+from .mlx_quant import MlxQuant
+from .streaming import Streaming
+
+REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Full, MlxQuant, Streaming)}
+
+
+def method_config(name: str, **params: Any) -> Method:
+    """Build a validated method config, naming the bad field and the allowed values on error."""
+    if name not in REGISTRY:
+        raise ConfigError(f"method: expected one of {sorted(REGISTRY)}, got {name!r}")
+    cls = REGISTRY[name]
+    allowed = [f.name for f in fields(cls)]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}: unknown parameter; allowed: {allowed or 'none'}")
+    return cls(**params)
+
+
+def methods() -> list[dict[str, Any]]:
+    """Every registered method with its one-line doc and parameters with their defaults."""
+    return [cls.describe() for cls in REGISTRY.values()]
+
+
+__all__ = ["REGISTRY", "CompressedCache", "ConfigError", "Method", "method_config", "methods"]

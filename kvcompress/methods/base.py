@@ -1,0 +1,123 @@
+"""The method interface every compression method implements.
+
+A method is two things, as in kvpress: a frozen dataclass config that validates itself, and the
+mlx-lm cache class it builds. The config is what a sweep varies and what a run id hashes; the
+cache is what the model talks to.
+
+Caches follow mlx-lm's protocol (`offset`, `update_and_fetch`, `state`, `make_mask`, `trim`,
+`nbytes`, `empty`). `CompressedCache` adds three things the runner and the attention hook use:
+
+- `from_prefill(keys, values, queries)`: compress a finished full-attention prefill (both
+  Keyformer and KIVI compress after the prompt is processed). The default feeds the prompt's keys
+  and values through `update_and_fetch`; methods that score with the prompt's queries (Keyformer)
+  override it.
+- `attention(queries, keys, values, scale, mask)`: optional. When a cache defines it, the patched
+  `scaled_dot_product_attention` (kvcompress/attention.py) calls it instead of the fused kernel, so
+  a cache can see the real post-RoPE queries or attend over packed codes.
+- `live_kv_bytes` / `tokens_kept`: the bytes of the arrays the cache holds for the tokens it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+
+class ConfigError(ValueError):
+    """A method, dataset or sweep parameter is invalid. The message names the field."""
+
+
+def check(condition: bool, field: str, allowed: str, got: Any) -> None:
+    """Raise a `ConfigError` naming the field, its allowed values and what was given."""
+    if not condition:
+        raise ConfigError(f"{field}: expected {allowed}, got {got!r}")
+
+
+def array_bytes(*arrays: mx.array | None) -> int:
+    """Resident bytes of arrays (None counts as 0)."""
+    return sum(a.nbytes for a in arrays if a is not None)
+
+
+@dataclass(frozen=True)
+class Method:
+    """Base config. Subclasses set `name` and add validated fields (validate in `__post_init__`)."""
+
+    name: ClassVar[str] = ""
+    # Set by methods whose `from_prefill` needs the prompt's post-RoPE queries.
+    needs_queries: ClassVar[bool] = False
+
+    def make_cache(self, model) -> list:
+        """One cache per transformer layer, usable as mlx-lm's `prompt_cache`."""
+        raise NotImplementedError
+
+    GRID_COLUMNS: ClassVar[tuple[str, ...]] = ("budget", "bits", "tau_init", "tau_end")
+
+    def grid_columns(self) -> dict[str, float | None]:
+        """Values of the `runs` columns a sweep groups by; None where the method has no such knob.
+
+        Fields with these names map directly; a method with other knobs (KIVI's key/value bits)
+        overrides this.
+        """
+        values = {c: getattr(self, c, None) for c in self.GRID_COLUMNS}
+        return {c: None if v is None else float(v) for c, v in values.items()}
+
+    def params(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to_json(self) -> str:
+        """Canonical JSON of the full configuration (sorted keys): what run ids hash."""
+        return json.dumps({"method": self.name, **self.params()}, sort_keys=True)
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        """Name, one-line doc and parameters with defaults, for `kvcompress.methods()`."""
+        params = {}
+        for f in fields(cls):
+            default = f.default
+            if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            params[f.name] = None if default is dataclasses.MISSING else default
+        doc = (cls.__doc__ or "").strip().splitlines()
+        return {"name": cls.name, "doc": doc[0] if doc else "", "params": params}
+
+
+class CompressedCache(_BaseCache):
+    """Shared behaviour of kvcompress caches (see module docstring)."""
+
+    def from_prefill(self, keys: mx.array, values: mx.array, queries: mx.array | None) -> None:
+        # keys, values: [B, H_kv, T, D] post-RoPE; queries: [B, H_q, T, D] or None
+        self.update_and_fetch(keys, values)
+
+    @property
+    def live_kv_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def tokens_kept(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return self.live_kv_bytes
+
+    def size(self) -> int:
+        return self.tokens_kept
+
+
+def check_budget(field: str, budget: int | float) -> None:
+    """A budget is a token count (int >= 1) or a fraction of the prompt (float in (0, 1])."""
+    is_count = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+    is_fraction = isinstance(budget, float) and 0.0 < budget <= 1.0
+    check(is_count or is_fraction, field, "a token count >= 1 or a prompt fraction in (0, 1]", budget)
+
+
+def budget_tokens(budget: int | float, prompt_tokens: int) -> int:
+    """Resolve a budget to tokens: counts stay, fractions scale the prompt length (at least 1)."""
+    if isinstance(budget, float):
+        return max(1, round(budget * prompt_tokens))
+    return budget

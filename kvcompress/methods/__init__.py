@@ -8,10 +8,11 @@ from typing import Any
 
 from .base import CompressedCache, ConfigError, Method
 from .full import Full
+from .kivi import Kivi
 from .mlx_quant import MlxQuant
 from .streaming import Streaming
 
-REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Full, MlxQuant, Streaming)}
+REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Full, Kivi, MlxQuant, Streaming)}
 
 
 def method_config(name: str, **params: Any) -> Method:

@@ -71,7 +71,7 @@ class Method:
 
     def to_json(self) -> str:
         """Canonical JSON of the full configuration (sorted keys): what run ids hash."""
-        return json.dumps({"method": self.name, **self.params()}, sort_keys=True)
+        return json.dumps({"name": self.name, **self.params()}, sort_keys=True)
 
     @classmethod
     def describe(cls) -> dict[str, Any]:

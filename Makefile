@@ -1,0 +1,41 @@
+# kvcompress: set up, run the default sweep through a local Prefect deployment, test.
+# `make demo` on a fresh machine does everything; `make test` runs the suite.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export KVCOMPRESS_HOME := $(CURDIR)
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_API_URL ?= http://127.0.0.1:4200/api
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+
+.PHONY: setup demo server pool deploy worker default-run report stop test benchmarks
+
+setup: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh $(VENV)
+	touch $@
+
+# the tests also need Chromium (HTML report screenshot test)
+$(VENV)/.installed-test: $(VENV)/.installed
+	bash scripts/setup.sh $(VENV) --test
+	touch $@
+
+demo: setup
+	bash scripts/prefect_local.sh demo
+
+server pool deploy worker stop: setup
+	bash scripts/prefect_local.sh $@
+
+default-run: setup
+	bash scripts/prefect_local.sh run default
+
+report: setup
+	$(VENV)/bin/kvcompress report
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/pytest -q
+
+benchmarks: setup
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -1,0 +1,1 @@
+"""Prefect flows (thin orchestration over tasks/) and the `kvcompress` command line."""

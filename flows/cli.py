@@ -1,0 +1,85 @@
+"""`kvcompress` command line: sweep, report, methods."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import kvcompress  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
+from kvcompress.methods import ConfigError, methods
+from kvcompress.results import default_root
+from kvcompress.sweep import load_spec
+
+
+def cmd_sweep(args) -> int:
+    spec = load_spec(args.grid)
+    shards = spec.shards()  # validates every cell; a SweepError lists them all
+    if args.dry_run:
+        for config in spec.method_configs():
+            print(config.to_json())
+        for shard in shards:
+            print(f"shard {shard.dataset} {json.dumps(shard.dataset_params, sort_keys=True)} sample {shard.sample_index}")
+        print(json.dumps(spec.estimate()))
+        return 0
+    from flows.sweep import sweep
+    from tasks.report import render_reports
+
+    sweep(grid=args.grid, results=args.results, sweep_id=args.sweep_id)
+    print(render_reports(args.results))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from tasks.report import DEFAULT_REPORTS, render_reports
+
+    print(render_reports(args.results, args.sql or DEFAULT_REPORTS))
+    if args.html:
+        from tasks.html_report import write_html
+
+        print(f"wrote {write_html(args.results, args.html)}")
+    return 0
+
+
+def cmd_methods(args) -> int:
+    for m in methods():
+        print(f"{m['name']:<12} {m['doc']}\n{'':<12} params: {json.dumps(m['params'])}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvcompress", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    results_help = "results root: a path or URL (default $KVCOMPRESS_RESULTS or ./results)"
+
+    s = sub.add_parser("sweep", help="run a sweep in-process (the same flow as the deployments)")
+    s.add_argument("grid", nargs="?", default="default", help="built-in grid name or YAML file")
+    s.add_argument("--results", default=None, help=results_help)
+    s.add_argument("--sweep-id", default=None, help="name of this set of results (default: the grid's name)")
+    s.add_argument("--dry-run", action="store_true", help="print the expanded grid and a cost estimate")
+    s.set_defaults(func=cmd_sweep)
+
+    r = sub.add_parser("report", help="print the DuckDB reports over the results")
+    r.add_argument("--results", default=None, help=results_help)
+    r.add_argument("--sql", action="append", help="a report name (sql/NAME.sql) or .sql file; repeatable")
+    r.add_argument("--html", default=None, help="also write a self-contained HTML report here")
+    r.set_defaults(func=cmd_report)
+
+    m = sub.add_parser("methods", help="list compression methods and their parameters")
+    m.set_defaults(func=cmd_methods)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if getattr(args, "results", None) is None and hasattr(args, "results"):
+        args.results = default_root()
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

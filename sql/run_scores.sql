@@ -1,0 +1,60 @@
+-- Derived view and macros every report reads. Run after views.sql:
+--   SET VARIABLE kv_results = 'results';  .read sql/views.sql  .read sql/run_scores.sql
+--
+-- A CONFIG is method + budget + bits + tau_init + tau_end, with NULLs equal (the full cache has
+-- no budget; KIVI has no tau). GROUP BY already treats NULLs as equal; joins on a config use
+-- IS NOT DISTINCT FROM, never `=`, or every NULL-bearing config would silently drop out.
+-- config_label is the same identity as one readable string for tables and plot legends.
+--
+-- Confidence interval: the Wilson score interval (Wilson 1927) at 95% (z = 1.959964) of the mean
+-- score p over n runs, treating each run as one Bernoulli trial. Exact for 0/1 scores (passkey exact
+-- match, RULER recall of one needle); for fractional scores in [0, 1] a run's variance is at most
+-- p(1-p), so the interval is conservative. Scores outside [0, 1] get no interval (NULL).
+--   centre = (p + z^2/(2n)) / (1 + z^2/n)
+--   half   = z / (1 + z^2/n) * sqrt(p(1-p)/n + z^2/(4n^2))
+CREATE OR REPLACE MACRO wilson_low(p, n) AS
+    (p + 1.959963984540054 ^ 2 / (2 * n)) / (1 + 1.959963984540054 ^ 2 / n)
+    - 1.959963984540054 / (1 + 1.959963984540054 ^ 2 / n)
+      * sqrt(p * (1 - p) / n + 1.959963984540054 ^ 2 / (4 * n * n));
+
+CREATE OR REPLACE MACRO wilson_high(p, n) AS
+    (p + 1.959963984540054 ^ 2 / (2 * n)) / (1 + 1.959963984540054 ^ 2 / n)
+    + 1.959963984540054 / (1 + 1.959963984540054 ^ 2 / n)
+      * sqrt(p * (1 - p) / n + 1.959963984540054 ^ 2 / (4 * n * n));
+
+-- run_scores: one row per finished run with status 'ok', with its per-step means and the score
+-- of the full cache on the SAME sample (same sweep, model, dataset, task, context length and
+-- sample id), so every report can set a method against the ceiling it could have reached.
+CREATE OR REPLACE VIEW run_scores AS
+WITH step_stats AS (
+    SELECT sweep_id, run_id,
+           avg(kl) AS kl_mean,
+           avg(CASE WHEN top1_agree THEN 1.0 ELSE 0.0 END) AS top1_agree,
+           count(*) AS steps_recorded
+    FROM steps
+    GROUP BY ALL
+),
+ok_runs AS (
+    SELECT r.*, s.kl_mean, s.top1_agree, s.steps_recorded
+    FROM runs AS r
+    LEFT JOIN step_stats AS s USING (sweep_id, run_id)
+    WHERE r.status = 'ok'
+),
+full_cache_scores AS (
+    -- avg: a sample run twice under the full cache (e.g. two prefill chunkings) counts once
+    SELECT sweep_id, model, dataset, task, context_tokens, sample_id, avg(score) AS score_full
+    FROM ok_runs
+    WHERE method = 'full'
+    GROUP BY ALL
+)
+SELECT o.*,
+       f.score_full,
+       o.live_kv_bytes / nullif(o.full_kv_bytes, 0) AS kv_ratio_to_full,
+       concat_ws(' ', o.method,
+                 'budget=' || printf('%g', o.budget),
+                 'bits=' || printf('%g', o.bits),
+                 CASE WHEN o.tau_init IS NOT NULL OR o.tau_end IS NOT NULL
+                      THEN 'tau=' || coalesce(printf('%g', o.tau_init), '-') || '..'
+                           || coalesce(printf('%g', o.tau_end), '-') END) AS config_label
+FROM ok_runs AS o
+LEFT JOIN full_cache_scores AS f USING (sweep_id, model, dataset, task, context_tokens, sample_id);

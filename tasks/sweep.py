@@ -1,0 +1,34 @@
+"""Prefect tasks of a sweep: plan (validate + expand), run one shard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from kvcompress.execute import execute_shard
+from kvcompress.sweep import load_spec
+
+
+@task(name="plan-sweep", cache_policy=NO_CACHE)
+def plan_sweep(grid: str | dict[str, Any]) -> dict[str, Any]:
+    """Validate every cell (raises SweepError listing all invalid ones) and expand into shards."""
+    spec = load_spec(grid)
+    return {
+        "name": spec.name,
+        "model": spec.model,
+        "decode_steps": spec.decode_steps,
+        "shards": [s.to_dict() for s in spec.shards()],
+        "estimate": spec.estimate(),
+    }
+
+
+@task(name="run-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30],
+      task_run_name="run-shard-{shard[dataset]}-{shard[sample_index]}")
+def run_shard(shard: dict[str, Any], model: str, decode_steps: int, sweep_id: str, results: str) -> dict:
+    """One dataset sample through every unfinished method: one prefill, results written per run.
+
+    Retries cover transient failures (I/O, a killed process); finished runs are skipped on retry.
+    """
+    return execute_shard(shard, model, decode_steps, sweep_id, results)

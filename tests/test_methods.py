@@ -1,0 +1,109 @@
+"""Method registry, config validation, the streaming cache and resident-byte measurement."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+import kvcompress
+from kvcompress.attention import reference_attention
+from kvcompress.memory import live_kv_bytes, tokens_kept
+from kvcompress.methods import ConfigError, method_config
+from kvcompress.methods.streaming import StreamingCache
+
+
+def test_methods_lists_every_registered_method_with_defaults():
+    listed = {m["name"]: m for m in kvcompress.methods()}
+    assert {"full", "mlx-quant", "streaming"} <= set(listed)
+    assert listed["mlx-quant"]["params"] == {"bits": 4, "group_size": 64}
+    assert listed["streaming"]["params"]["n_sink"] == 4
+
+
+@pytest.mark.parametrize(
+    "name, params, fragment",
+    [
+        ("nope", {}, "method: expected one of"),
+        ("mlx-quant", {"bits": 7}, "mlx-quant.bits: expected one of 2, 3, 4, 5, 6, 8, got 7"),
+        ("mlx-quant", {"group": 64}, "mlx-quant.group: unknown parameter"),
+        ("streaming", {"budget": 0}, "streaming.budget: expected a token count >= 1"),
+        ("streaming", {"budget": 1.5}, "streaming.budget"),
+        ("streaming", {"budget": 4, "n_sink": 4}, "more tokens than n_sink=4"),
+    ],
+)
+def test_bad_config_names_field_and_allowed_values(name, params, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.").replace("(", r"\(")):
+        method_config(name, **params)
+
+
+def test_run_id_json_is_canonical():
+    a = method_config("streaming", budget=64, n_sink=2)
+    b = method_config("streaming", n_sink=2, budget=64)
+    assert a.to_json() == b.to_json() == '{"budget": 64, "n_sink": 2, "name": "streaming"}'
+    assert a.grid_columns() == {"budget": 64.0, "bits": None, "tau_init": None, "tau_end": None}
+
+
+def test_streaming_keeps_sinks_and_recent_window_at_true_positions():
+    mx.random.seed(0)
+    cache = StreamingCache(budget=10, n_sink=2)
+    keys = mx.random.normal((1, 3, 30, 8))
+    values = mx.random.normal((1, 3, 30, 8))
+    fetched_k, _ = cache.update_and_fetch(keys, values)
+    assert fetched_k.shape[2] == 30  # the prompt chunk attends to all of itself
+    assert cache.tokens_kept == 10 and cache.offset == 30
+    kept = mx.concatenate([keys[:, :, :2], keys[:, :, -8:]], axis=2)
+    assert mx.array_equal(cache.keys, kept)
+    # decode: one new token, then back to the budget; the oldest non-sink token leaves
+    new_k, new_v = mx.random.normal((1, 3, 1, 8)), mx.random.normal((1, 3, 1, 8))
+    fetched_k, _ = cache.update_and_fetch(new_k, new_v)
+    assert fetched_k.shape[2] == 11 and cache.tokens_kept == 10 and cache.offset == 31
+    assert mx.array_equal(cache.keys[:, :, -1:], new_k)
+    assert mx.array_equal(cache.keys[:, :, 2:3], keys[:, :, 23:24])
+    assert cache.live_kv_bytes == 2 * 3 * 10 * 8 * 4
+
+
+def test_streaming_fraction_budget_resolves_at_first_decode_step():
+    cache = StreamingCache(budget=0.25, n_sink=4)
+    cache.update_and_fetch(mx.zeros((1, 1, 99, 4)), mx.zeros((1, 1, 99, 4)))
+    assert cache.tokens_kept == 99  # prompt still arriving: nothing evicted yet
+    cache.update_and_fetch(mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)))
+    assert cache.capacity == 25 and cache.tokens_kept == 25
+
+
+def test_live_kv_bytes_counts_held_tokens_not_capacity():
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 3, 100, 64)), mx.zeros((1, 3, 100, 64)))
+    assert cache.nbytes == 2 * 3 * 256 * 64 * 4  # mlx-lm reports capacity
+    assert live_kv_bytes([cache]) == 2 * 3 * 100 * 64 * 4
+    q = QuantizedKVCache(group_size=64, bits=4)
+    q.update_and_fetch(mx.zeros((1, 3, 100, 64)), mx.zeros((1, 3, 100, 64)))
+    codes = 3 * 100 * 64 * 4 // 8
+    scales_biases = 2 * 3 * 100 * 1 * 4
+    assert live_kv_bytes([q]) == 2 * (codes + scales_biases)
+    assert tokens_kept([q]) == 100
+
+
+def test_reference_attention_matches_fused_kernel():
+    mx.random.seed(1)
+    q = mx.random.normal((1, 9, 5, 64))
+    k = mx.random.normal((1, 3, 12, 64))
+    v = mx.random.normal((1, 3, 12, 64))
+    for mask in (None, "causal"):
+        fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        assert mx.allclose(reference_attention(q, k, v, 0.125, mask), fused, atol=1e-5)
+
+
+def test_streaming_drop_in_matches_full_cache_when_budget_covers_context(embedded):
+    model, tokenizer = embedded
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colors of the rainbow."}], add_generation_prompt=True
+    )
+    full = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=12,
+                                                   prompt_cache=kvcompress.make_cache(model, "full")))
+    big = kvcompress.make_cache(model, "streaming", budget=4096)
+    streamed = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=12, prompt_cache=big))
+    assert streamed == full and len(full) > 0
+    small = kvcompress.make_cache(model, "streaming", budget=16, n_sink=4)
+    list(stream_generate(model, tokenizer, prompt, max_tokens=12, prompt_cache=small))
+    assert tokens_kept(small) == 16 and small[0].offset == len(prompt) + 12  # mlx-lm computes one step ahead

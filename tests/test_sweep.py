@@ -1,0 +1,95 @@
+"""Grid specs: per-method axes, up-front validation of every cell, dry-run, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.cli import main as cli
+from kvcompress.execute import execute_shard
+from kvcompress.results import finished_run_ids
+from kvcompress.sweep import SweepError, load_spec
+
+GRID = {
+    "name": "t",
+    "decode_steps": 8,
+    "datasets": [{"name": "passkey", "context_tokens": [256, 512], "num_samples": 2}],
+    "methods": [
+        {"name": "full"},
+        {"name": "mlx-quant", "grid": {"bits": [4, 8]}},
+        {"name": "streaming", "params": {"n_sink": 2}, "grid": {"budget": [0.25, 0.5, 64]}},
+    ],
+}
+
+
+def test_axes_are_per_method_without_duplicate_cells():
+    spec = load_spec(GRID)
+    configs = [json.loads(c.to_json()) for c in spec.method_configs()]
+    assert len(configs) == 1 + 2 + 3
+    assert {c["name"] for c in configs if "bits" in c} == {"mlx-quant"}
+    assert all(c["n_sink"] == 2 for c in configs if c["name"] == "streaming")
+    shards = spec.shards()
+    assert len(shards) == 2 * 2 and all(len(s.methods) == 6 for s in shards)
+    assert spec.estimate()["runs"] == 24
+
+
+def test_mapping_axis_sets_parameters_together():
+    axis = load_spec({**GRID, "methods": [{"name": "streaming", "grid": {
+        "window": [{"budget": 32, "n_sink": 2}, {"budget": 64, "n_sink": 8}]}}]}).method_configs()
+    assert [(c.budget, c.n_sink) for c in axis] == [(32, 2), (64, 8)]
+
+
+def test_every_invalid_cell_is_reported_at_once():
+    bad = {
+        **GRID,
+        "decode_steps": 0,
+        "datasets": [{"name": "passkey", "context_tokens": [256], "params": {"depth": 3.0}}],
+        "methods": [{"name": "mlx-quant", "grid": {"bits": [4, 7]}}, {"name": "streaming", "grid": {"budget": [-1]}},
+                    {"name": "kvzip"}],
+    }
+    with pytest.raises(SweepError) as info:
+        load_spec(bad).shards()
+    text = str(info.value)
+    assert len(info.value.errors) == 5, text
+    for fragment in ("decode_steps", "depth", "mlx-quant.bits", "streaming.budget", "method: expected one of"):
+        assert fragment in text
+
+
+def test_unknown_keys_and_grid_names_are_rejected():
+    with pytest.raises(SweepError, match=r"sweep.metods: unknown key"):
+        load_spec({**GRID, "metods": []})
+    with pytest.raises(SweepError, match="one of .*default.*smoke"):
+        load_spec("no-such-grid")
+
+
+def test_cli_dry_run_prints_grid_and_estimate(tmp_path, capsys):
+    path = tmp_path / "grid.yaml"
+    path.write_text(json.dumps(GRID))  # JSON is YAML
+    assert cli(["sweep", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert sum(line.startswith("{\"") and "name" in line for line in out) == 6
+    assert json.loads(out[-1])["runs"] == 24
+    assert cli(["sweep", "no-such-grid", "--dry-run"]) == 2
+    assert "grid: expected a YAML file" in capsys.readouterr().err
+
+
+def test_rerun_skips_finished_runs_and_isolates_failures(tmp_path, embedded):
+    grid = {**GRID, "decode_steps": 3, "datasets": [{"name": "passkey", "context_tokens": [256]}],
+            "methods": [{"name": "full"}, {"name": "mlx-quant", "params": {"group_size": 128}},
+                        {"name": "streaming", "grid": {"budget": [64]}}]}
+    spec = load_spec(grid)
+    (shard,) = spec.shards()
+    root = str(tmp_path)
+    first = execute_shard(shard.to_dict(), spec.model, spec.decode_steps, "s", root)
+    # group_size 128 does not divide head_dim 64: that run fails, recorded; the others finish
+    assert first == {"skipped": 0, "ran": 3, "failed": 1}
+    assert len(finished_run_ids(root, "s")) == 3
+    again = execute_shard(shard.to_dict(), spec.model, spec.decode_steps, "s", root)
+    assert again == {"skipped": 3, "ran": 0, "failed": 0}
+    import pyarrow.dataset as ds
+
+    runs = ds.dataset(f"{root}/runs", partitioning="hive").to_table().to_pylist()
+    status = {r["method"]: (r["status"], r["error"]) for r in runs}
+    assert status["full"] == ("ok", None) and status["streaming"][0] == "ok"
+    assert status["mlx-quant"][0] == "error" and "group_size" in status["mlx-quant"][1]

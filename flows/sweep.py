@@ -19,7 +19,7 @@ from tasks.report import report
 from tasks.sweep import plan_sweep, run_shard
 
 
-@flow(name="sweep", log_prints=True)
+@flow(name="sweep")
 def sweep(grid: str | dict[str, Any] = "default", results: str | None = None, sweep_id: str | None = None) -> list[dict]:
     """Run every cell of `grid` (a built-in grid name, a YAML path or a mapping) into `results`.
 

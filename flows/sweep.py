@@ -11,11 +11,11 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from kvcompress.results import default_root
 from tasks.datasets import load_dataset
-from tasks.report import report
+from tasks.report import artifact_key, publish_artifacts, report
 from tasks.sweep import plan_sweep, run_shard
 
 
@@ -36,7 +36,7 @@ def sweep(grid: str | dict[str, Any] = "default", results: str | None = None, sw
     for dataset, params in sorted({(s["dataset"], s["dataset_params"]) for s in shards}):
         load_dataset(dataset, params)
 
-    progress = create_progress_artifact(0.0, key=f"sweep-{_key(sweep_id)}-progress", description=f"sweep {sweep_id}")
+    progress = create_progress_artifact(0.0, key=artifact_key(sweep_id, "progress"), description=f"sweep {sweep_id}")
     start = time.monotonic()
     totals = {"skipped": 0, "ran": 0, "failed": 0}
     for done, shard in enumerate(shards, start=1):
@@ -48,18 +48,6 @@ def sweep(grid: str | dict[str, Any] = "default", results: str | None = None, sw
         logger.info("progress %d/%d shards, runs %s, elapsed %.0fs, ETA %.0fs", done, len(shards), totals, elapsed, eta)
 
     rows = report(results, sweep_id)
-    create_table_artifact(
-        key=f"sweep-{_key(sweep_id)}-summary",
-        table=[{k: _cell(v) for k, v in r.items()} for r in rows],
-        description=f"Summary of sweep {sweep_id}: {totals}",
-    )
+    publish_artifacts(results, sweep_id)  # summary table + the other reports as markdown
+    logger.info("sweep %s done: %s", sweep_id, totals)
     return rows
-
-
-def _key(text: str) -> str:
-    """Artifact keys allow lowercase letters, digits and dashes only."""
-    return "".join(c if c.isalnum() else "-" for c in text.lower())
-
-
-def _cell(value):
-    return value if isinstance(value, (int, float, str)) or value is None else str(value)

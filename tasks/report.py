@@ -1,4 +1,5 @@
-"""DuckDB reports over the results Parquet: views from sql/views.sql, reports from sql/*.sql."""
+"""DuckDB reports over the results Parquet: views from sql/views.sql and sql/run_scores.sql,
+one report per sql/NAME.sql. The library never imports DuckDB; reports live here and in sql/."""
 
 from __future__ import annotations
 
@@ -7,19 +8,22 @@ from pathlib import Path
 
 import duckdb
 from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from kvcompress.results import default_root
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
-DEFAULT_REPORTS = ("summary",)
+VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
+DEFAULT_REPORTS = ("summary", "pareto", "degradation", "speed_memory", "compare_sweeps")
 
 
 def connect(results: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with the `runs` and `steps` views over `results`."""
+    """An in-memory DuckDB with the `runs`, `steps` and `run_scores` views over `results`."""
     root = results or default_root()
     con = duckdb.connect()
     con.execute("SET VARIABLE kv_results = ?", [root.rstrip("/")])
-    con.execute((SQL_DIR / "views.sql").read_text())
+    for name in VIEW_FILES:
+        con.execute((SQL_DIR / name).read_text())
     return con
 
 
@@ -35,29 +39,84 @@ def run_report(con: duckdb.DuckDBPyConnection, name_or_path: str) -> tuple[list[
     return relation.columns, relation.fetchall()
 
 
-def format_table(columns: list[str], rows: list[tuple]) -> str:
-    """A plain-text table: right-aligned numbers, 4 significant digits for floats."""
-    def cell(v) -> str:
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
+def format_cell(value) -> str:
+    """How every report shows a value: '-' for missing, 4 significant digits for floats."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
-    body = [[cell(v) for v in row] for row in rows]
+
+def format_table(columns: list[str], rows: list[tuple]) -> str:
+    """A plain-text table: right-aligned values, 4 significant digits for floats."""
+    body = [[format_cell(v) for v in row] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in body)) if body else len(c) for i, c in enumerate(columns)]
     line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line, rule, *("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in body)])
 
 
+def format_markdown(columns: list[str], rows: list[tuple]) -> str:
+    """A GitHub-flavoured Markdown table, cells formatted as in the terminal."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(format_cell(v).replace("|", "\\|") for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def render_reports(results: str | None = None, reports=DEFAULT_REPORTS) -> str:
+    """Every report as a terminal table, titled with its name and row count."""
     con = connect(results)
     parts = []
     for name in reports:
         columns, rows = run_report(con, name)
         parts.append(f"== {Path(name).stem} ({len(rows)} rows)\n{format_table(columns, rows)}")
     return "\n\n".join(parts)
+
+
+def sweep_reports(results: str | None, sweep_id: str, reports=DEFAULT_REPORTS) -> dict[str, tuple[list[str], list[tuple]]]:
+    """Each report's (columns, rows) restricted to one sweep; compare_sweeps sets it against the
+    sweep that ran before it (the report's default when sweep_a is unset)."""
+    con = connect(results)
+    con.execute("SET VARIABLE sweep_b = ?", [sweep_id])
+    out = {}
+    for name in reports:
+        columns, rows = run_report(con, name)
+        if "sweep_id" in columns:
+            index = columns.index("sweep_id")
+            rows = [r for r in rows if r[index] == sweep_id]
+        out[Path(name).stem] = (columns, rows)
+    return out
+
+
+def artifact_key(sweep_id: str, report_name: str) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    return "".join(c if c.isalnum() else "-" for c in f"sweep-{sweep_id}-{report_name}".lower())
+
+
+def publish_artifacts(results: str | None, sweep_id: str, reports=DEFAULT_REPORTS) -> dict[str, str]:
+    """Publish one sweep's reports as Prefect artifacts: the summary as a table artifact, the
+    others as Markdown tables. Returns {report name: artifact key}. Call inside a flow or task
+    run so the artifacts attach to it."""
+    keys = {}
+    for name, (columns, rows) in sweep_reports(results, sweep_id, reports).items():
+        key = artifact_key(sweep_id, name)
+        description = f"{name} report of sweep {sweep_id} ({len(rows)} rows)"
+        if name == "summary":
+            table = [{c: _artifact_cell(v) for c, v in zip(columns, r)} for r in rows]
+            create_table_artifact(table=table, key=key, description=description)
+        else:
+            create_markdown_artifact(markdown=f"### {name}\n\n{format_markdown(columns, rows)}\n",
+                                     key=key, description=description)
+        keys[name] = key
+    return keys
+
+
+def _artifact_cell(value):
+    """Table artifacts take JSON scalars; floats rounded as shown in the terminal."""
+    if isinstance(value, float):
+        return None if math.isnan(value) else float(format_cell(value))
+    return value if isinstance(value, (int, str, bool)) or value is None else str(value)
 
 
 @task(name="report")

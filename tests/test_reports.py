@@ -1,0 +1,375 @@
+"""The SQL reports (sql/*.sql), the terminal and HTML renderings and the Prefect artifacts, on fixture
+Parquet written by kvcompress.results.write_run. Every aggregate is recomputed here in plain Python
+from the rows the fixture wrote, and must match what DuckDB returns."""
+
+import kvcompress  # noqa: F401  (first: preloads OpenBLAS before anything imports mlx)
+
+import base64
+import io
+import json
+import math
+import random
+import re
+import subprocess
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from kvcompress.results import write_run
+
+MODEL = "tiny"
+# (dataset, task, context_tokens, binary score?) - ruler scores are 0/1, longbench's fractional
+CELLS = [("ruler", "niah", 1024, True), ("longbench", "qa", 2048, False)]
+# (method, budget, bits, tau_init, tau_end, kv ratio to full, base KL per step in nats)
+CONFIGS = [
+    ("full", None, None, None, None, 1.0, 0.0),
+    ("snapkv", 0.25, None, None, None, 0.25, 0.08),
+    ("snapkv", 0.5, None, None, None, 0.5, 0.04),
+    ("kivi", None, 2.0, None, None, 0.125, 0.06),
+    ("kivi", None, 4.0, None, None, 0.25, 0.02),
+    ("keyformer", 0.5, None, 1.0, 2.0, 0.5, 0.03),
+]
+EXTRA_IN_S2 = ("kivi", None, 3.0, None, None, 0.1875, 0.05)  # present in sweep s2 only
+FULL_SAMPLES = [f"x{i}" for i in range(5)]
+METHOD_SAMPLES = FULL_SAMPLES[:4]  # the full cache also ran x4: a ceiling must not count it
+STEPS = 4
+Z95 = 1.959963984540054
+
+
+def config_key(row):
+    return (row["method"], row["budget"], row["bits"], row["tau_init"], row["tau_end"])
+
+
+def build_fixture(root: str) -> tuple[list[dict], list[dict]]:
+    """Write two sweeps; return (run rows, step rows), each with sweep_id and method added."""
+    all_runs, all_steps = [], []
+    for sweep_index, sweep_id in enumerate(["s1", "s2"]):
+        rng = random.Random(1000 + sweep_index)
+        created = datetime(2024, 1 + sweep_index, 1, tzinfo=timezone.utc)
+        configs = CONFIGS + ([EXTRA_IN_S2] if sweep_id == "s2" else [])
+        for method, budget, bits, tau_init, tau_end, ratio, kl_base in configs:
+            for dataset, task, context, binary in CELLS:
+                samples = FULL_SAMPLES if method == "full" else METHOD_SAMPLES
+                for sample_index, sample_id in enumerate(samples):
+                    full_bytes = context * 1000
+                    score = float(rng.randint(0, 1)) if binary else rng.randint(0, 8) / 8
+                    run_id = f"{sweep_id}-{method}-{budget}-{bits}-{tau_init}-{dataset}-{sample_id}"
+                    run = dict(
+                        run_id=run_id, model=MODEL, dataset=dataset, task=task, sample_id=sample_id,
+                        context_tokens=context, prompt_tokens=context - 10, budget=budget, bits=bits,
+                        tau_init=tau_init, tau_end=tau_end, score=score, status="ok", error=None,
+                        prefill_s=round(rng.uniform(0.5, 2.0), 3), decode_tok_s=round(rng.uniform(5, 50), 2),
+                        live_kv_bytes=int(full_bytes * ratio) + 8 * sample_index, full_kv_bytes=full_bytes,
+                        tokens_kept=int(context * ratio), peak_memory_bytes=10**8 + rng.randint(0, 10**6),
+                        decode_steps=STEPS, prediction="p", config="{}",
+                        created_at=created + timedelta(minutes=sample_index),
+                    )
+                    steps = [
+                        dict(run_id=run_id, step=step, position=context + step, ref_token=7, token=7,
+                             top1_agree=method == "full" or rng.random() < 0.7,
+                             kl=kl_base * (step + 1) + 0.01 * sample_index if method != "full" else 0.0,
+                             logit_cosine=1.0 - kl_base, nll=1.5 + kl_base * step, tokens_kept=run["tokens_kept"],
+                             live_kv_bytes=run["live_kv_bytes"], step_ms=round(rng.uniform(10, 40), 2))
+                        for step in range(STEPS)
+                    ]
+                    write_run(root, sweep_id, method, run, steps)
+                    all_runs.append(dict(run, sweep_id=sweep_id, method=method))
+                    all_steps += [dict(s, sweep_id=sweep_id, method=method) for s in steps]
+        # a failed run: its perfect score must not count anywhere
+        failed = dict(all_runs[-1], run_id=f"{sweep_id}-failed", sample_id="x9", score=1.0, status="error",
+                      error="boom", method="snapkv", budget=0.5)
+        write_run(root, sweep_id, "snapkv", {k: v for k, v in failed.items() if k not in ("sweep_id", "method")},
+                  [dict(all_steps[-1], run_id=failed["run_id"], kl=99.0)])
+    return all_runs, all_steps
+
+
+@pytest.fixture(scope="module")
+def fixture_results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("results"))
+    runs, steps = build_fixture(root)
+    return root, runs, steps
+
+
+@pytest.fixture(scope="module")
+def con(fixture_results):
+    from tasks.report import connect
+
+    return connect(fixture_results[0])
+
+
+def report_records(con, name):
+    from tasks.report import run_report
+
+    columns, rows = run_report(con, name)
+    return [dict(zip(columns, r)) for r in rows]
+
+
+def mean(values):
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def wilson(p, n):
+    """Wilson score interval at 95%, straight from the formula."""
+    denominator = 1 + Z95**2 / n
+    centre = (p + Z95**2 / (2 * n)) / denominator
+    half = Z95 / denominator * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n**2))
+    return centre - half, centre + half
+
+
+def quantile(values, q):
+    """Linear interpolation between closest ranks (what quantile_cont does), without numpy."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    lower = math.floor(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
+
+
+def group(rows, key):
+    groups = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    return groups
+
+
+def ok_runs(runs):
+    return [r for r in runs if r["status"] == "ok"]
+
+
+def full_score(runs, r):
+    matches = [f["score"] for f in ok_runs(runs) if f["method"] == "full" and (f["sweep_id"], f["model"], f["dataset"],
+               f["task"], f["context_tokens"], f["sample_id"]) == (r["sweep_id"], r["model"], r["dataset"], r["task"],
+               r["context_tokens"], r["sample_id"])]
+    return mean(matches) if matches else None
+
+
+def run_step_means(steps):
+    by_run = group(steps, lambda s: s["run_id"])
+    return {rid: (mean(s["kl"] for s in ss), mean(1.0 if s["top1_agree"] else 0.0 for s in ss))
+            for rid, ss in by_run.items()}
+
+
+approx = lambda v: pytest.approx(v, rel=1e-12, abs=1e-12)  # noqa: E731
+
+
+def test_summary_matches_python_aggregates(fixture_results, con):
+    _, runs, steps = fixture_results
+    per_run = run_step_means(steps)
+    expected = group(ok_runs(runs), lambda r: (r["sweep_id"], *config_key(r), r["dataset"], r["task"], r["context_tokens"]))
+    got = report_records(con, "summary")
+    assert len(got) == len(expected) == 2 * len(CELLS) * len(CONFIGS) + len(CELLS)
+    for row in got:
+        key = (row["sweep_id"], *config_key(row), row["dataset"], row["task"], row["context_tokens"])
+        cell = expected[key]
+        n = len(cell)
+        p = mean(r["score"] for r in cell)
+        assert row["runs"] == n == (5 if row["method"] == "full" else 4)  # NULL config fields group as equal
+        assert row["score_mean"] == approx(p)
+        low, high = wilson(p, n)
+        assert (row["score_ci_low"], row["score_ci_high"]) == (approx(low), approx(high))
+        assert 0 <= row["score_ci_low"] <= p <= row["score_ci_high"] <= 1
+        fulls = [full_score(runs, r) for r in cell]
+        assert row["score_full_mean"] == approx(mean(fulls))
+        assert row["score_vs_full"] == approx(mean(r["score"] - f for r, f in zip(cell, fulls)))
+        assert row["kl_mean"] == approx(mean(per_run[r["run_id"]][0] for r in cell))
+        assert row["top1_agree"] == approx(mean(per_run[r["run_id"]][1] for r in cell))
+        assert row["live_kv_bytes"] == int(mean(r["live_kv_bytes"] for r in cell))  # CAST rounds; fixture is exact
+        assert row["kv_ratio_to_full"] == approx(mean(r["live_kv_bytes"] / r["full_kv_bytes"] for r in cell))
+        assert row["decode_tok_s"] == approx(mean(r["decode_tok_s"] for r in cell))
+    # the ceiling is over the SAME samples: the full cache's own mean also counts x4, the ceiling does not
+    full_s1 = [r for r in ok_runs(runs) if r["sweep_id"] == "s1" and r["method"] == "full" and r["dataset"] == "ruler"]
+    snap = next(r for r in got if (r["sweep_id"], r["method"], r["budget"], r["dataset"]) == ("s1", "snapkv", 0.25, "ruler"))
+    assert snap["score_full_mean"] == approx(mean(r["score"] for r in full_s1 if r["sample_id"] in METHOD_SAMPLES))
+
+
+def test_pareto_front_membership(fixture_results, con):
+    _, runs, _ = fixture_results
+    cells = group(ok_runs(runs), lambda r: (r["sweep_id"], r["dataset"], r["context_tokens"]))
+    got = report_records(con, "pareto")
+    assert len(got) == sum(len({config_key(r) for r in rs}) for rs in cells.values())
+    fronts, dominated = 0, 0
+    for (sweep_id, dataset, context), rows in cells.items():
+        points = {k: (mean(r["score"] for r in rs), mean(r["live_kv_bytes"] for r in rs))
+                  for k, rs in group(rows, config_key).items()}
+        for k, (score, live) in points.items():
+            beaten_by = sum(1 for s, b in points.values() if s >= score and b <= live and (s > score or b < live))
+            row = next(r for r in got if (r["sweep_id"], r["dataset"], r["context_tokens"], *config_key(r)) ==
+                       (sweep_id, dataset, context, *k))
+            assert row["dominated_by"] == beaten_by
+            assert row["on_front"] == (beaten_by == 0)
+            assert row["score_mean"] == approx(score)
+            assert row["live_kv_bytes"] == round(live)
+            n = len(group(rows, config_key)[k])
+            assert (row["score_ci_low"], row["score_ci_high"]) == tuple(approx(v) for v in wilson(score, n))
+            fronts += beaten_by == 0
+            dominated += beaten_by > 0
+    assert fronts >= 2 * len(cells) and dominated >= len(cells)  # the fixture exercises both outcomes
+
+
+def test_degradation_by_step(fixture_results, con):
+    _, runs, steps = fixture_results
+    ok_ids = {r["run_id"] for r in ok_runs(runs)}
+    expected = group([s for s in steps if s["run_id"] in ok_ids],
+                     lambda s: (s["sweep_id"], *config_key(next(r for r in runs if r["run_id"] == s["run_id"])), s["step"]))
+    got = report_records(con, "degradation")
+    assert len(got) == len(expected)
+    for row in got:
+        cell = expected[(row["sweep_id"], *config_key(row), row["step"])]
+        assert row["runs"] == len(cell)
+        assert row["kl_mean"] == approx(mean(s["kl"] for s in cell))
+        assert row["kl_max"] == approx(max(s["kl"] for s in cell))
+        assert row["top1_agree"] == approx(mean(1.0 if s["top1_agree"] else 0.0 for s in cell))
+    # the fixture's KL grows linearly with the step: kl_mean(step) = base * (step + 1) + 0.01 * mean sample index
+    snap = {r["step"]: r["kl_mean"] for r in got if (r["sweep_id"], r["method"], r["budget"]) == ("s1", "snapkv", 0.25)}
+    assert snap == {step: approx(0.08 * (step + 1) + 0.01 * 1.5) for step in range(STEPS)}
+    assert all(r["kl_max"] < 99 for r in got)  # the failed run's steps are excluded
+
+
+def test_speed_memory_percentiles(fixture_results, con):
+    _, runs, steps = fixture_results
+    steps_of = group(steps, lambda s: s["run_id"])
+    expected = group(ok_runs(runs), lambda r: (r["sweep_id"], *config_key(r), r["dataset"], r["context_tokens"]))
+    got = report_records(con, "speed_memory")
+    assert len(got) == len(expected)
+    for row in got:
+        cell = expected[(row["sweep_id"], *config_key(row), row["dataset"], row["context_tokens"])]
+        step_ms = [s["step_ms"] for r in cell for s in steps_of[r["run_id"]]]
+        assert len(step_ms) == len(cell) * STEPS
+        assert row["decode_ms_p50"] == approx(quantile(step_ms, 0.5))
+        assert row["decode_ms_p90"] == approx(quantile(step_ms, 0.9))
+        assert row["prefill_s_mean"] == approx(mean(r["prefill_s"] for r in cell))
+        assert row["live_kv_bytes"] == round(mean(r["live_kv_bytes"] for r in cell))
+        assert row["full_kv_bytes"] == round(mean(r["full_kv_bytes"] for r in cell))
+        assert row["kv_ratio_to_full"] == approx(mean(r["live_kv_bytes"] / r["full_kv_bytes"] for r in cell))
+        assert row["peak_memory_bytes_max"] == max(r["peak_memory_bytes"] for r in cell)
+
+
+def test_compare_sweeps_explicit_and_default(fixture_results, con):
+    _, runs, _ = fixture_results
+    cells = group(ok_runs(runs), lambda r: (r["sweep_id"], *config_key(r), r["dataset"], r["task"], r["context_tokens"]))
+
+    def check(rows, a, b):
+        keys = {k[1:] for k in cells if k[0] in (a, b)}
+        assert len(rows) == len(keys)
+        for row in rows:
+            assert (row["sweep_a"], row["sweep_b"]) == (a, b)
+            key = (*config_key(row), row["dataset"], row["task"], row["context_tokens"])
+            side = {s: cells.get((s, *key)) for s in (a, b)}
+            for s, suffix in ((a, "_a"), (b, "_b")):
+                if side[s] is None:
+                    assert row["runs" + suffix] is None and row["score_mean" + suffix] is None
+                    continue
+                p, n = mean(r["score"] for r in side[s]), len(side[s])
+                assert row["runs" + suffix] == n
+                assert row["score_mean" + suffix] == approx(p)
+                assert row["score_ci_low" + suffix] == approx(wilson(p, n)[0])
+                assert row["live_kv_bytes" + suffix] == approx(mean(r["live_kv_bytes"] for r in side[s]))
+            if side[a] and side[b]:
+                pa, pb = (mean(r["score"] for r in side[s]) for s in (a, b))
+                assert row["score_delta"] == approx(pb - pa)
+                (la, ha), (lb, hb) = wilson(pa, len(side[a])), wilson(pb, len(side[b]))
+                assert row["score_delta_beyond_ci"] == (ha < lb or hb < la)
+            else:
+                assert row["score_delta"] is None
+        return rows
+
+    default = check(report_records(con, "compare_sweeps"), "s1", "s2")  # newest two by created_at
+    assert sum(r["runs_a"] is None for r in default) == len(CELLS)  # kivi bits=3 exists in s2 only
+    con.execute("SET VARIABLE sweep_a = 's2'")
+    con.execute("SET VARIABLE sweep_b = 's1'")
+    try:
+        swapped = check(report_records(con, "compare_sweeps"), "s2", "s1")
+    finally:
+        con.execute("RESET VARIABLE sweep_a")
+        con.execute("RESET VARIABLE sweep_b")
+    assert sorted(r["score_delta"] for r in swapped if r["score_delta"] is not None) == \
+        sorted(-r["score_delta"] for r in default if r["score_delta"] is not None)
+
+
+def test_render_reports_prints_every_report(fixture_results):
+    from tasks.report import DEFAULT_REPORTS, render_reports
+
+    text = render_reports(fixture_results[0])
+    titles = re.findall(r"^== (\w+) \((\d+) rows\)$", text, flags=re.M)
+    assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["summary", "pareto", "degradation", "speed_memory",
+                                                               "compare_sweeps"]
+    assert all(int(n) > 0 for _, n in titles)
+    assert "score_ci_low" in text and "decode_ms_p50" in text
+
+
+def _png_pixels(data: bytes):
+    import matplotlib.image
+
+    return matplotlib.image.imread(io.BytesIO(data), format="png")
+
+
+def test_html_report_in_headless_chromium(fixture_results, tmp_path):
+    from tasks.html_report import write_html
+
+    page = write_html(fixture_results[0], str(tmp_path / "report.html"))
+    text = page.read_text()
+    images = re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
+    assert len(images) == 3 == text.count("<img ")
+    for encoded in images:
+        pixels = _png_pixels(base64.b64decode(encoded))
+        assert pixels.shape[0] > 200 and pixels.shape[1] > 300
+        assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::7]}) > 1  # not a flat image
+    assert "http://" not in text and "https://" not in text and "<script" not in text  # self-contained
+    assert text.count("<table>") == 5 and "sweep s2" in text  # default: the newest sweep
+
+    chromium = "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.skip("/usr/bin/chromium is not installed (apt-get install -y chromium)")
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1280,2000",
+         "--hide-scrollbars", page.resolve().as_uri()],
+        check=True, timeout=120, capture_output=True,
+    )
+    pixels = _png_pixels(shot.read_bytes())
+    assert pixels.shape[:2] == (2000, 1280)
+    gray = pixels[..., :3].mean(axis=-1)
+    assert gray.var() > 1e-3  # not blank
+    assert (gray < 0.5).mean() > 0.005  # text and plot lines drawn in dark ink
+
+
+def test_publish_artifacts_to_a_real_prefect_server(fixture_results):
+    from prefect import flow
+    from prefect.artifacts import Artifact
+    from prefect.testing.utilities import prefect_test_harness
+
+    from tasks.report import publish_artifacts
+
+    @flow
+    def publish(results: str, sweep_id: str) -> dict[str, str]:
+        return publish_artifacts(results, sweep_id)
+
+    with prefect_test_harness(server_startup_timeout=60):
+        keys = publish(fixture_results[0], "s2")
+        assert keys == {name: f"sweep-s2-{name.replace('_', '-')}" for name in
+                        ["summary", "pareto", "degradation", "speed_memory", "compare_sweeps"]}
+        stored = {name: Artifact.get(key) for name, key in keys.items()}
+    summary = stored["summary"]
+    assert summary.type == "table"
+    table = json.loads(summary.data) if isinstance(summary.data, str) else summary.data
+    assert len(table) == len(CONFIGS) * len(CELLS) + len(CELLS)  # s2 only, with its extra kivi bits=3
+    assert {row["sweep_id"] for row in table} == {"s2"}
+    for name in ["pareto", "degradation", "speed_memory", "compare_sweeps"]:
+        assert stored[name].type == "markdown"
+        assert stored[name].data.startswith(f"### {name}\n\n| ")
+    assert "| s1 | s2 |" in stored["compare_sweeps"].data  # s2 set against the sweep before it
+
+
+def test_write_html_names_the_bad_sweep_or_empty_root(fixture_results, tmp_path):
+    from kvcompress.methods.base import ConfigError
+    from tasks.html_report import write_html
+
+    with pytest.raises(ConfigError, match=r"sweep_id: expected one of \['s2', 's1'\], got 'nope'"):
+        write_html(fixture_results[0], str(tmp_path / "r.html"), sweep_id="nope")
+    with pytest.raises(ConfigError, match="results: expected a results root with finished runs"):
+        write_html(str(tmp_path / "empty"), str(tmp_path / "r.html"))
+    assert not (tmp_path / "r.html").exists()

@@ -1,0 +1,286 @@
+"""Keyformer's decode-step eviction: drop one token per row, compact, optionally re-rotate.
+
+After a decode step each row (one (batch, KV head) pair) holds `capacity + 1` tokens in temporal
+order. Eviction picks, per row, the unprotected token with the smallest eviction score (Keyformer,
+Adnan et al., MLSys 2024, Sec. 3.3: the k - w key tokens are the highest-scoring ones outside the
+recent window w; we additionally never evict the first `n_sink` tokens), removes it and shifts the
+later tokens down one slot. In compact-position mode (StreamingLLM-style) the shifted keys also move
+one RoPE position back, i.e. are rotated by -1: k' = R(-theta) k per frequency pair.
+
+Three implementations of the same function live here, side by side:
+- `evict_one_reference`: plain MLX ops, used on CPU and as the ground truth.
+- `CUDA_SOURCE`: one fused kernel for `mx.fast.cuda_kernel`. Each block recomputes its row's argmin
+  (n floats, cheap) and then copies its slice of the row, so a row's copy spreads over many SMs.
+  Products and sums use `__fmul_rn`/`__fadd_rn` so NVRTC cannot contract them into FMAs: that keeps
+  the rotation bit-identical to MLX's separate multiply/subtract kernels.
+- `METAL_SOURCE`: the same algorithm for `mx.fast.metal_kernel`. It cannot run on these machines
+  (no Apple GPU); it is kept line-for-line parallel to the CUDA source and is untested.
+`evict_one` dispatches by the default device's back-end.
+
+Argmin ties resolve to the lowest index everywhere (as `mx.argmin`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+# ---------------------------------------------------------------------------------------------
+# MLX reference
+
+
+def protected_mask(n: int, n_sink: int, recent: int) -> mx.array:
+    """[n] True where a slot may not be evicted: the first n_sink and the last `recent` slots."""
+    index = mx.arange(n)
+    return (index < n_sink) | (index >= n - recent)
+
+
+def rotate_pairs(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.array:
+    """Rotate RoPE pairs of x [..., D] by angles given as cos/sin [..., dims/2] (float32 math).
+
+    Non-traditional RoPE pairs element i with i + dims/2; traditional pairs 2i with 2i + 1.
+    Elements past `dims` (partial rotary) are left unchanged.
+    """
+    half = cos.shape[-1]
+    dims = 2 * half
+    xf = x.astype(mx.float32)
+    if traditional:
+        x1, x2 = xf[..., 0:dims:2], xf[..., 1:dims:2]
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:dims]
+    out1 = x1 * cos - x2 * sin
+    out2 = x1 * sin + x2 * cos
+    if traditional:
+        rotated = mx.stack([out1, out2], axis=-1).reshape(*x.shape[:-1], dims)
+    else:
+        rotated = mx.concatenate([out1, out2], axis=-1)
+    if dims < x.shape[-1]:
+        rotated = mx.concatenate([rotated, xf[..., dims:]], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def evict_one_reference(keys, values, scores, positions, evict_by, n_sink, recent, rotation=None, traditional=False):
+    """Remove from each row the unprotected slot with the lowest `evict_by`.
+
+    keys, values [R, n, D]; scores, evict_by [R, n] float32; positions [R, n] int32.
+    rotation: None (exact positions) or (cos, sin) [dims/2] float32 of a one-position step: the
+    slots after the evicted one are rotated by -1 position (compact positions).
+    Returns keys, values [R, n - 1, D], scores, positions [R, n - 1] and the evicted slot [R].
+    """
+    R, n, _ = keys.shape
+    masked = mx.where(protected_mask(n, n_sink, recent)[None], mx.inf, evict_by)
+    evicted = mx.argmin(masked, axis=1).astype(mx.int32)  # [R]
+    out_index = mx.arange(n - 1, dtype=mx.int32)[None]
+    shifted = out_index >= evicted[:, None]  # [R, n-1]: these slots receive their right neighbour
+
+    def compact(a):
+        # two shifted views and a select: contiguous streaming, faster than a gather on CPU
+        return mx.where(shifted.reshape(*shifted.shape, *([1] * (a.ndim - 2))), a[:, 1:], a[:, :-1])
+
+    new_keys = compact(keys)
+    if rotation is not None:
+        cos, sin = rotation
+        back = rotate_pairs(new_keys, cos, -sin, traditional)
+        new_keys = mx.where(shifted[..., None], back, new_keys)
+    return new_keys, compact(values), compact(scores), compact(positions), evicted
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused kernels. Grid: (blocks_per_row * THREADS, R, 1) threads, threadgroup (THREADS, 1, 1).
+# Template constants: T (key/value dtype), N_SINK, RECENT, COMPACT, TRADITIONAL, HALF (dims / 2).
+
+THREADS = 256
+
+CUDA_SOURCE = """
+    const int row = blockIdx.y;
+    const int n = scores_shape[1];
+    const int D = keys_shape[2];
+    const int tid = threadIdx.x;
+    __shared__ float best_value[256];
+    __shared__ int best_index[256];
+
+    // 1. argmin over the evictable slots [N_SINK, n - RECENT) of this row (ties: lowest index)
+    float value = __int_as_float(0x7f800000);  // +inf
+    int index = n;
+    for (int i = N_SINK + tid; i < n - RECENT; i += blockDim.x) {
+        float v = evict_by[row * n + i];
+        if (v < value) { value = v; index = i; }
+    }
+    best_value[tid] = value;
+    best_index[tid] = index;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (tid < stride) {
+            float v = best_value[tid + stride];
+            int i = best_index[tid + stride];
+            if (v < best_value[tid] || (v == best_value[tid] && i < best_index[tid])) {
+                best_value[tid] = v;
+                best_index[tid] = i;
+            }
+        }
+        __syncthreads();
+    }
+    const int evicted = best_index[0];
+    if (blockIdx.x == 0 && tid == 0) { evicted_out[row] = evicted; }
+
+    // 2. compaction of this block's share of output slots [0, n - 1)
+    const int m = n - 1;
+    const int per_block = (m + gridDim.x - 1) / gridDim.x;
+    const int first = blockIdx.x * per_block;
+    const int last = min(m, first + per_block);
+    for (int i = first + tid; i < last; i += blockDim.x) {
+        int src = i + (i >= evicted ? 1 : 0);
+        scores_out[row * m + i] = scores[row * n + src];
+        positions_out[row * m + i] = positions[row * n + src];
+    }
+    for (int e = first * D + tid; e < last * D; e += blockDim.x) {
+        int i = e / D;
+        int d = e - i * D;
+        int src = i + (i >= evicted ? 1 : 0);
+        size_t in_at = ((size_t)row * n + src) * D;
+        size_t out_at = ((size_t)row * m + i) * D;
+        values_out[out_at + d] = values[in_at + d];
+        T k = keys[in_at + d];
+        if (COMPACT && i >= evicted && d < 2 * HALF) {
+            // rotate by -1 position: cos(theta), -sin(theta); same op order as rotate_pairs
+            int f, partner;
+            bool first_half;
+            if (TRADITIONAL) { f = d / 2; first_half = (d % 2) == 0; partner = first_half ? d + 1 : d - 1; }
+            else { f = d % HALF; first_half = d < HALF; partner = first_half ? d + HALF : d - HALF; }
+            float c = cos_theta[f];
+            float s = -sin_theta[f];
+            float x = static_cast<float>(k);
+            float y = static_cast<float>(keys[in_at + partner]);
+            float r = first_half ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s))
+                                 : __fadd_rn(__fmul_rn(y, s), __fmul_rn(x, c));
+            k = static_cast<T>(r);
+        }
+        keys_out[out_at + d] = k;
+    }
+"""
+
+METAL_SOURCE = """
+    const int row = threadgroup_position_in_grid.y;
+    const int n = scores_shape[1];
+    const int D = keys_shape[2];
+    const int tid = thread_position_in_threadgroup.x;
+    const int threads = threads_per_threadgroup.x;
+    const int blocks = threadgroups_per_grid.x;
+    const int block = threadgroup_position_in_grid.x;
+    threadgroup float best_value[256];
+    threadgroup int best_index[256];
+
+    float value = INFINITY;
+    int index = n;
+    for (int i = N_SINK + tid; i < n - RECENT; i += threads) {
+        float v = evict_by[row * n + i];
+        if (v < value) { value = v; index = i; }
+    }
+    best_value[tid] = value;
+    best_index[tid] = index;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int stride = threads / 2; stride > 0; stride /= 2) {
+        if (tid < stride) {
+            float v = best_value[tid + stride];
+            int i = best_index[tid + stride];
+            if (v < best_value[tid] || (v == best_value[tid] && i < best_index[tid])) {
+                best_value[tid] = v;
+                best_index[tid] = i;
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    const int evicted = best_index[0];
+    if (block == 0 && tid == 0) { evicted_out[row] = evicted; }
+
+    const int m = n - 1;
+    const int per_block = (m + blocks - 1) / blocks;
+    const int first = block * per_block;
+    const int last = min(m, first + per_block);
+    for (int i = first + tid; i < last; i += threads) {
+        int src = i + (i >= evicted ? 1 : 0);
+        scores_out[row * m + i] = scores[row * n + src];
+        positions_out[row * m + i] = positions[row * n + src];
+    }
+    for (int e = first * D + tid; e < last * D; e += threads) {
+        int i = e / D;
+        int d = e - i * D;
+        int src = i + (i >= evicted ? 1 : 0);
+        size_t in_at = ((size_t)row * n + src) * D;
+        size_t out_at = ((size_t)row * m + i) * D;
+        values_out[out_at + d] = values[in_at + d];
+        T k = keys[in_at + d];
+        if (COMPACT && i >= evicted && d < 2 * HALF) {
+            int f, partner;
+            bool first_half;
+            if (TRADITIONAL) { f = d / 2; first_half = (d % 2) == 0; partner = first_half ? d + 1 : d - 1; }
+            else { f = d % HALF; first_half = d < HALF; partner = first_half ? d + HALF : d - HALF; }
+            float c = cos_theta[f];
+            float s = -sin_theta[f];
+            float x = static_cast<float>(k);
+            float y = static_cast<float>(keys[in_at + partner]);
+            // precise:: keeps the products unfused, as the CUDA __fmul_rn path
+            float r = first_half ? (precise::fma(x, c, 0.0f) - precise::fma(y, s, 0.0f))
+                                 : (precise::fma(y, s, 0.0f) + precise::fma(x, c, 0.0f));
+            k = static_cast<T>(r);
+        }
+        keys_out[out_at + d] = k;
+    }
+"""
+
+_INPUTS = ["keys", "values", "scores", "positions", "evict_by", "cos_theta", "sin_theta"]
+_OUTPUTS = ["keys_out", "values_out", "scores_out", "positions_out", "evicted_out"]
+_kernels: dict[str, object] = {}
+
+
+def _kernel(backend: str):
+    if backend not in _kernels:
+        make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+        source = CUDA_SOURCE if backend == "cuda" else METAL_SOURCE
+        _kernels[backend] = make(name="keyformer_evict_one", input_names=_INPUTS, output_names=_OUTPUTS, source=source)
+    return _kernels[backend]
+
+
+def evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, rotation=None, traditional=False, backend="cuda"):
+    """`evict_one_reference` as one fused GPU kernel (backend "cuda" or "metal")."""
+    R, n, D = keys.shape
+    if rotation is None:
+        cos = sin = mx.zeros((1,), mx.float32)
+    else:
+        cos, sin = (a.astype(mx.float32) for a in rotation)
+    half = cos.shape[-1] if rotation is not None else 1
+    # enough blocks per row to keep every SM busy at R = 32, each block copying >= 16 slots
+    blocks_per_row = max(1, min(64, (n - 1) // 16))
+    outs = _kernel(backend)(
+        inputs=[keys, values, scores.astype(mx.float32), positions.astype(mx.int32), evict_by.astype(mx.float32), cos, sin],
+        template=[
+            ("T", keys.dtype),
+            ("N_SINK", int(n_sink)),
+            ("RECENT", int(recent)),
+            ("COMPACT", int(rotation is not None)),
+            ("TRADITIONAL", int(bool(traditional))),
+            ("HALF", int(half)),
+        ],
+        grid=(blocks_per_row * THREADS, R, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(R, n - 1, D), (R, n - 1, D), (R, n - 1), (R, n - 1), (R,)],
+        output_dtypes=[keys.dtype, values.dtype, mx.float32, mx.int32, mx.int32],
+    )
+    return tuple(outs)
+
+
+def backend() -> str:
+    """'cuda', 'metal' or 'cpu': which implementation `evict_one` runs on the default device."""
+    if mx.default_device() == mx.gpu:
+        if mx.cuda.is_available():
+            return "cuda"
+        if mx.metal.is_available():
+            return "metal"
+    return "cpu"
+
+
+def evict_one(keys, values, scores, positions, evict_by, n_sink, recent, rotation=None, traditional=False):
+    """Decode-step eviction on the fastest implementation for the default device (see module doc)."""
+    which = backend()
+    if which == "cpu":
+        return evict_one_reference(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional)
+    return evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional, which)

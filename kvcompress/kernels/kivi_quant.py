@@ -1,0 +1,210 @@
+"""KIVI's fused quantize-and-pack: group min/max, codes, bit packing, scales and zeros in one pass.
+
+KIVI (Liu et al., ICML 2024, arXiv:2402.02750), Eq. 1 with asymmetric min/max groups:
+    zero = min(X_g),  scale = (max(X_g) - min(X_g)) / (2^b - 1),  code = round((X - zero) / scale)
+Keys are quantized per channel (groups of G tokens along the token axis), values per token (groups
+of G channels). Codes are written in MLX's quantized layout (an LSB-first bit stream in uint32
+words, groups along the last axis) so `mx.dequantize` and `mx.quantized_matmul` read them directly.
+
+Exact semantics shared by every path (the reference defines them; the kernels must match it bit
+for bit):
+- min and max in float32 of the input values; `zero` = the group minimum (exact in the input dtype);
+- `scale` is computed in float32, then stored in the input dtype; codes use the *stored* scale, so
+  dequantization `zero + code * scale` is consistent with how the codes were chosen;
+- codes = round-half-to-even((x - zero) / scale), clipped to [0, 2^b - 1]; a constant group
+  (scale 0) gets code 0 and dequantizes exactly to its value.
+
+`quantize_pack` dispatches by backend: a CUDA kernel (`mx.fast.cuda_kernel`, tested on an H200),
+a Metal kernel (`mx.fast.metal_kernel`, same algorithm, UNTESTED here: no Apple GPU available),
+and on CPU the plain MLX reference.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+BITS = (2, 3, 4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+def _check(x: mx.array, bits: int, group_size: int, per_channel: bool) -> int:
+    """Length of the quantized axis, after checking that groups tile it."""
+    if bits not in BITS:
+        raise ValueError(f"bits: expected one of {BITS}, got {bits}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size: expected one of {GROUP_SIZES}, got {group_size}")
+    axis_len = x.shape[-2] if per_channel else x.shape[-1]
+    if x.ndim < 2 or axis_len % group_size:
+        raise ValueError(f"quantized axis of length {axis_len} is not a multiple of group_size {group_size}")
+    return axis_len
+
+
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """Pack integer codes [..., N] (N * bits a multiple of 32) into MLX's uint32 layout [..., N * bits / 32]."""
+    *lead, n = codes.shape
+    codes = codes.astype(mx.uint32)
+    if 32 % bits == 0:  # whole codes per word: code i of a word sits at bit i * bits
+        per_word = 32 // bits
+        shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+        return (codes.reshape(*lead, n // per_word, per_word) << shifts).sum(-1).astype(mx.uint32)
+    # 3 bits: codes straddle words; expand to single bits and regroup the bit stream by 32
+    code_bits = (codes[..., None] >> mx.arange(bits, dtype=mx.uint32)) & 1  # [..., N, bits]
+    stream = code_bits.reshape(*lead, n * bits // 32, 32)
+    return (stream << mx.arange(32, dtype=mx.uint32)).sum(-1).astype(mx.uint32)
+
+
+def quantize_pack_reference(x: mx.array, bits: int, group_size: int, per_channel: bool = False):
+    """Plain MLX KIVI quantize-and-pack; the definition the kernels are tested against.
+
+    per_channel=False: x [..., N, C], groups along C -> codes [..., N, C*b/32], scales/zeros [..., N, C/G]
+    per_channel=True:  x [..., T, C], groups along T -> transposed: codes [..., C, T*b/32],
+                       scales/zeros [..., C, T/G] (keys as K^T, ready for quantized_matmul)
+    """
+    _check(x, bits, group_size, per_channel)
+    levels = 2**bits - 1
+    rows = x.swapaxes(-1, -2) if per_channel else x
+    *lead, n = rows.shape
+    groups = rows.astype(mx.float32).reshape(*lead, n // group_size, group_size)
+    lo = groups.min(-1, keepdims=True)
+    hi = groups.max(-1, keepdims=True)
+    scale = ((hi - lo) / levels).astype(x.dtype)
+    s = scale.astype(mx.float32)
+    safe = mx.where(s > 0, s, 1.0)
+    codes = mx.where(s > 0, mx.clip(mx.round((groups - lo) / safe), 0, levels), 0)
+    packed = pack_codes(codes.reshape(*lead, n), bits)
+    return packed, scale.squeeze(-1), lo.astype(x.dtype).squeeze(-1)
+
+
+# One thread per group. dims = [n_groups, C (innermost length of x), L (quantized-axis length)].
+# Per channel, consecutive threads take consecutive channels of one token group, so the strided
+# reads of a warp are coalesced; per token, a thread reads its G contiguous elements.
+_BODY = """
+    const long n_groups = dims[0];
+    if (gid >= n_groups) return;
+    const long C = dims[1];
+    const long L = dims[2];
+    const long groups_per_row = L / GROUP;
+    long in_base, in_stride, out_row, g;
+    if (PER_CHANNEL) {
+        long d = gid % C;
+        long rest = gid / C;
+        g = rest % groups_per_row;
+        long outer = rest / groups_per_row;
+        in_base = (outer * L + g * GROUP) * C + d;
+        in_stride = C;
+        out_row = outer * C + d;
+    } else {
+        g = gid % groups_per_row;
+        out_row = gid / groups_per_row;
+        in_base = out_row * L + g * GROUP;
+        in_stride = 1;
+    }
+    float lo = static_cast<float>(x[in_base]);
+    float hi = lo;
+    for (int i = 1; i < GROUP; ++i) {
+        float v = static_cast<float>(x[in_base + i * in_stride]);
+        lo = FMIN(lo, v);
+        hi = FMAX(hi, v);
+    }
+    const float levels = (float)((1 << BITS) - 1);
+    const T scale_t = static_cast<T>(FDIV(hi - lo, levels));
+    const float s = static_cast<float>(scale_t);
+    constexpr int WORDS = GROUP * BITS / 32;
+    unsigned int words[WORDS];
+    for (int w = 0; w < WORDS; ++w) words[w] = 0u;
+    for (int i = 0; i < GROUP; ++i) {
+        float q = 0.0f;
+        if (s > 0.0f) {
+            float v = static_cast<float>(x[in_base + i * in_stride]);
+            q = FMIN(FMAX(RINT(FDIV(v - lo, s)), 0.0f), levels);
+        }
+        unsigned int c = (unsigned int)q;
+        int bit = i * BITS;
+        words[bit / 32] |= c << (bit % 32);
+        if ((bit % 32) + BITS > 32) words[bit / 32 + 1] |= c >> (32 - (bit % 32));
+    }
+    const long words_per_row = groups_per_row * WORDS;
+    for (int w = 0; w < WORDS; ++w) packed[out_row * words_per_row + g * WORDS + w] = words[w];
+    scales[out_row * groups_per_row + g] = scale_t;
+    zeros[out_row * groups_per_row + g] = static_cast<T>(lo);
+"""
+
+# The body spells float ops as macros; each backend's header defines them. CUDA: __fdiv_rn is the
+# IEEE round-to-nearest division even under fast-math flags, rintf rounds half to even.
+CUDA_HEADER = """
+#define FDIV(a, b) __fdiv_rn((a), (b))
+#define FMIN fminf
+#define FMAX fmaxf
+#define RINT rintf
+"""
+CUDA_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;\n" + _BODY
+
+# Metal: compiled with math_mode "safe" so `/` is correctly rounded; metal::rint rounds half to
+# even. UNTESTED here (no Apple GPU on these machines); kept line-for-line parallel to CUDA.
+METAL_HEADER = """
+#define FDIV(a, b) ((a) / (b))
+#define FMIN metal::fmin
+#define FMAX metal::fmax
+#define RINT metal::rint
+"""
+METAL_SOURCE = "const long gid = (long)thread_position_in_grid.x;\n" + _BODY
+
+_kernels: dict[str, object] = {}
+
+
+def _kernel(backend: str):
+    if backend not in _kernels:
+        names = dict(name="kivi_quantize_pack", input_names=["x", "dims"], output_names=["packed", "scales", "zeros"])
+        if backend == "cuda":
+            _kernels[backend] = mx.fast.cuda_kernel(**names, source=CUDA_SOURCE, header=CUDA_HEADER)
+        else:
+            _kernels[backend] = mx.fast.metal_kernel(
+                **names, source=METAL_SOURCE, header=METAL_HEADER, compile_options={"math_mode": "safe"})
+    return _kernels[backend]
+
+
+def quantize_pack_kernel(
+    x: mx.array, bits: int, group_size: int, per_channel: bool = False, backend: str = "cuda", init_value=None
+):
+    """The fused GPU kernel (backend "cuda" or "metal"); same contract as `quantize_pack_reference`.
+
+    init_value pre-fills the outputs (tests poison them to prove every element is written)."""
+    axis_len = _check(x, bits, group_size, per_channel)
+    channels = x.shape[-1]
+    lead = x.shape[:-2] if per_channel else x.shape[:-1]
+    rows = lead + (channels,) if per_channel else lead
+    n_rows = 1
+    for r in rows:
+        n_rows *= r
+    n_groups = n_rows * (axis_len // group_size)
+    dims = mx.array([n_groups, channels, axis_len], dtype=mx.int64)
+    threads = 256
+    packed, scales, zeros = _kernel(backend)(
+        inputs=[x, dims],
+        template=[("T", x.dtype), ("BITS", bits), ("GROUP", group_size), ("PER_CHANNEL", per_channel)],
+        grid=((n_groups + threads - 1) // threads * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[rows + (axis_len * bits // 32,), rows + (axis_len // group_size,), rows + (axis_len // group_size,)],
+        output_dtypes=[mx.uint32, x.dtype, x.dtype],
+        init_value=init_value,
+    )
+    return packed, scales, zeros
+
+
+def gpu_backend() -> str | None:
+    """"cuda" or "metal" when the default device is a GPU of that kind, else None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.cuda.is_available():
+        return "cuda"
+    if mx.metal.is_available():
+        return "metal"
+    return None
+
+
+def quantize_pack(x: mx.array, bits: int, group_size: int, per_channel: bool = False):
+    """KIVI quantize-and-pack on the fastest available path (see module docstring)."""
+    backend = gpu_backend()
+    if backend is None:
+        return quantize_pack_reference(x, bits, group_size, per_channel)
+    return quantize_pack_kernel(x, bits, group_size, per_channel, backend)

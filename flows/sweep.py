@@ -34,7 +34,7 @@ def sweep(grid: str | dict[str, Any] = "default", results: str | None = None, sw
     logger.info("sweep %s: %s -> %s", sweep_id, json.dumps(plan["estimate"]), results)
 
     for dataset, params in sorted({(s["dataset"], s["dataset_params"]) for s in shards}):
-        load_dataset(dataset, params)
+        load_dataset(dataset, params, plan["model"])
 
     progress = create_progress_artifact(0.0, key=artifact_key(sweep_id, "progress"), description=f"sweep {sweep_id}")
     start = time.monotonic()

@@ -9,15 +9,17 @@ from typing import Any
 
 from . import datasets
 from .methods import method_config
-from .model import load_model, model_fingerprint
+from .model import load_model, load_tokenizer, model_fingerprint
 from .results import finished_run_ids, run_id, write_run
 from .runner import RunContext, run_config, run_sample
 
 
 @functools.lru_cache(maxsize=8)
-def load_samples(dataset: str, params_json: str) -> list[dict]:
-    """A dataset's samples as dicts, cached per process (shards of one dataset share it)."""
-    return datasets.load_dataset(dataset, **json.loads(params_json)).to_list()
+def load_samples(dataset: str, params_json: str, model_name: str) -> list[dict]:
+    """A dataset's samples as dicts, sized in `model_name`'s tokens; cached per process (the
+    shards of one dataset share it)."""
+    tokenizer = load_tokenizer(model_name)
+    return datasets.load_dataset(dataset, tokenizer=tokenizer, **json.loads(params_json)).to_list()
 
 
 def shard_methods(shard: dict[str, Any]) -> list:
@@ -30,7 +32,7 @@ def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int, swe
     `shard` is plain JSON (see `kvcompress.sweep.Shard.to_dict`) so a Prefect task can take it.
     """
     model, tokenizer = load_model(model_name)
-    sample = load_samples(shard["dataset"], shard["dataset_params"])[shard["sample_index"]]
+    sample = load_samples(shard["dataset"], shard["dataset_params"], model_name)[shard["sample_index"]]
     context = RunContext(model_name, model_fingerprint(model_name), shard["dataset"], shard["dataset_params"], decode_steps)
     finished = finished_run_ids(results, sweep_id)
     methods = shard_methods(shard)

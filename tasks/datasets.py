@@ -11,6 +11,6 @@ from kvcompress.execute import load_samples
 
 
 @task(name="load-dataset", cache_policy=NO_CACHE)
-def load_dataset(dataset: str, params_json: str) -> int:
+def load_dataset(dataset: str, params_json: str, model: str) -> int:
     """Build (and cache in-process) the samples of one dataset cell; returns the sample count."""
-    return len(load_samples(dataset, params_json))
+    return len(load_samples(dataset, params_json, model))

@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup demo server pool deploy worker default-run report stop test benchmarks
+.PHONY: setup demo server pool deploy worker workers default-run report stop test benchmarks
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
@@ -27,6 +27,10 @@ demo: setup
 
 server pool deploy worker stop: setup
 	bash scripts/prefect_local.sh $@
+
+N ?= 2
+workers: setup
+	bash scripts/prefect_local.sh workers $(N)
 
 default-run: setup
 	bash scripts/prefect_local.sh run default

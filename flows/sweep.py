@@ -1,34 +1,72 @@
 """The `sweep` flow: expand grid -> validate -> fan out shards -> gather -> report.
 
 Deployments (prefect.yaml): `sweep/default` on the embedded defaults, `sweep/nightly` on a
-schedule. `kvcompress sweep` runs the same flow in-process.
+schedule (each night its own sweep id, compared with the previous night). `kvcompress sweep`
+runs the same flow in-process. Shards run inline, one after the other, or with
+`distribute=True` as `sweep-shard/shard` flow runs that any number of workers split.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.client.orchestration import get_client
+from prefect.context import get_run_context
+from prefect.deployments import run_deployment
 
-from kvcompress.results import default_root
+from kvcompress.results import default_root, finished_run_ids
 from tasks.datasets import load_dataset
+from tasks.regression import regression_report
 from tasks.report import artifact_key, publish_artifacts, report
 from tasks.sweep import plan_sweep, run_shard
 
+SHARD_DEPLOYMENT = "sweep-shard/shard"
+
+
+class Progress:
+    """done/total with elapsed time and ETA, as a Prefect progress artifact and log lines."""
+
+    def __init__(self, sweep_id: str, total: int):
+        self.total, self.done, self.start = total, 0, time.monotonic()
+        self.logger = get_run_logger()
+        self.artifact = create_progress_artifact(0.0, key=artifact_key(sweep_id, "progress"),
+                                                 description=f"shards of sweep {sweep_id}")
+
+    def advance(self, what: str) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        filled = round(20 * self.done / self.total)
+        update_progress_artifact(self.artifact, 100.0 * self.done / self.total)
+        self.logger.info("[%s%s] %d/%d shards, %.0f s elapsed, ETA %.0f s  (%s)",
+                         "#" * filled, "." * (20 - filled), self.done, self.total, elapsed, eta, what)
+
 
 @flow(name="sweep")
-def sweep(grid: str | dict[str, Any] = "default", results: str | None = None, sweep_id: str | None = None) -> list[dict]:
+def sweep(
+    grid: str | dict[str, Any] = "default",
+    results: str | None = None,
+    sweep_id: str | None = None,
+    distribute: bool = False,
+    nightly: bool = False,
+    shard_timeout_s: float = 6 * 3600,
+) -> list[dict]:
     """Run every cell of `grid` (a built-in grid name, a YAML path or a mapping) into `results`.
 
-    Reruns skip finished runs: a sweep id (default: the grid's name) names one set of results.
+    Reruns with the same sweep id (default: the grid's name) skip finished runs. `nightly` names
+    the sweep `<grid>-<UTC time>` and reports regressions against the previous such sweep.
     Returns the summary report rows of this sweep.
     """
     logger = get_run_logger()
     results = results or default_root()
     plan = plan_sweep(grid)  # raises before any work if any cell is invalid
+    if nightly:
+        sweep_id = sweep_id or f"{plan['name']}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     sweep_id = sweep_id or plan["name"]
     shards = plan["shards"]
     logger.info("sweep %s: %s -> %s", sweep_id, json.dumps(plan["estimate"]), results)
@@ -36,18 +74,49 @@ def sweep(grid: str | dict[str, Any] = "default", results: str | None = None, sw
     for dataset, params in sorted({(s["dataset"], s["dataset_params"]) for s in shards}):
         load_dataset(dataset, params, plan["model"])
 
-    progress = create_progress_artifact(0.0, key=artifact_key(sweep_id, "progress"), description=f"sweep {sweep_id}")
-    start = time.monotonic()
-    totals = {"skipped": 0, "ran": 0, "failed": 0}
-    for done, shard in enumerate(shards, start=1):
-        counts = run_shard(shard, plan["model"], plan["decode_steps"], sweep_id, results)
-        totals = {k: totals[k] + counts[k] for k in totals}
-        elapsed = time.monotonic() - start
-        eta = elapsed / done * (len(shards) - done)
-        update_progress_artifact(progress, 100.0 * done / len(shards))
-        logger.info("progress %d/%d shards, runs %s, elapsed %.0fs, ETA %.0fs", done, len(shards), totals, elapsed, eta)
+    progress = Progress(sweep_id, len(shards))
+    shard_args = dict(model=plan["model"], decode_steps=plan["decode_steps"], sweep_id=sweep_id,
+                      results=results, run_timeout_s=plan["run_timeout_s"])
+    if distribute:
+        _run_on_workers(shards, shard_args, progress, shard_timeout_s)
+    else:
+        for shard in shards:
+            counts = run_shard(shard, **shard_args)
+            progress.advance(f"{shard['dataset']} #{shard['sample_index']}: {counts}")
+
+    finished = len(finished_run_ids(results, sweep_id))
+    expected = plan["estimate"]["runs"]
+    logger.info("sweep %s: %d of %d runs finished", sweep_id, finished, expected)
+    if finished < expected:
+        raise RuntimeError(f"sweep {sweep_id}: only {finished} of {expected} runs finished; rerun to resume")
 
     rows = report(results, sweep_id)
-    publish_artifacts(results, sweep_id)  # summary table + the other reports as markdown
-    logger.info("sweep %s done: %s", sweep_id, totals)
+    publish_artifacts(results, sweep_id)
+    if nightly:
+        regression_report(results, sweep_id)
     return rows
+
+
+def _run_on_workers(shards: list[dict], shard_args: dict, progress: Progress, timeout_s: float) -> None:
+    """Submit each shard as a `sweep-shard/shard` flow run, then wait for all of them.
+
+    Idempotency keys tie each submission to this parent run, so a retried parent does not submit
+    a shard twice; shards that fail or time out leave their runs unfinished for the next rerun.
+    """
+    parent = get_run_context().flow_run.id
+    submitted = [
+        run_deployment(SHARD_DEPLOYMENT, parameters={"shard": shard, **shard_args}, timeout=0,
+                       idempotency_key=f"{parent}-{i}",
+                       flow_run_name=f"{shard_args['sweep_id']}-{shard['dataset']}-{shard['sample_index']}")
+        for i, shard in enumerate(shards)
+    ]
+    pending = {run.id: shard for run, shard in zip(submitted, shards)}
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while pending and time.monotonic() < deadline:
+            for run_id in list(pending):
+                state = client.read_flow_run(run_id).state
+                if state is not None and state.is_final():
+                    shard = pending.pop(run_id)
+                    progress.advance(f"{shard['dataset']} #{shard['sample_index']}: {state.name}")
+            time.sleep(1.0)

@@ -26,14 +26,16 @@ def shard_methods(shard: dict[str, Any]) -> list:
     return [method_config(**json.loads(m)) for m in shard["methods"]]
 
 
-def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int, sweep_id: str, results: str) -> dict:
+def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int, sweep_id: str, results: str,
+                  run_timeout_s: float | None = None) -> dict:
     """Run a shard's unfinished methods; returns counts {"skipped", "ran", "failed"}.
 
     `shard` is plain JSON (see `kvcompress.sweep.Shard.to_dict`) so a Prefect task can take it.
     """
     model, tokenizer = load_model(model_name)
     sample = load_samples(shard["dataset"], shard["dataset_params"], model_name)[shard["sample_index"]]
-    context = RunContext(model_name, model_fingerprint(model_name), shard["dataset"], shard["dataset_params"], decode_steps)
+    context = RunContext(model_name, model_fingerprint(model_name), shard["dataset"], shard["dataset_params"], decode_steps,
+                         run_timeout_s)
     finished = finished_run_ids(results, sweep_id)
     methods = shard_methods(shard)
     todo = [m for m in methods if run_id(run_config(context, sample, m)) not in finished]

@@ -36,7 +36,7 @@ RUNS_SCHEMA = pa.schema(
         ("tau_init", pa.float64()),
         ("tau_end", pa.float64()),
         ("score", pa.float64()),
-        ("status", pa.string()),  # ok | error | nonfinite
+        ("status", pa.string()),  # ok | error | nonfinite | timeout
         ("error", pa.string()),
         ("prefill_s", pa.float64()),  # shared full prefill + this method's compression
         ("decode_tok_s", pa.float64()),  # teacher-forced decode steps per second
@@ -87,21 +87,23 @@ def _filesystem(root: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(root)
 
 
-def _partition(base: str, table: str, sweep_id: str, method: str) -> str:
-    return f"{base}/{table}/sweep_id={sweep_id}/method={method}"
+def write_table(root: str, relative_dir: str, name: str, table: pa.Table) -> str:
+    """Write `table` to {root}/{relative_dir}/{name}.parquet atomically (temp file + rename)."""
+    fs, base = _filesystem(root)
+    directory = f"{base}/{relative_dir}"
+    fs.create_dir(directory, recursive=True)
+    final = f"{directory}/{name}.parquet"
+    temporary = f"{directory}/.{name}.{uuid.uuid4().hex}.tmp"
+    pq.write_table(table, temporary, filesystem=fs)
+    fs.move(temporary, final)
+    return final
 
 
 def write_run(root: str, sweep_id: str, method: str, run: dict[str, Any], steps: list[dict[str, Any]]) -> None:
-    """Write one run's steps, then its runs row, each atomically (temp file + rename)."""
-    fs, base = _filesystem(root)
+    """Write one run's steps, then its runs row (the row marks the run finished)."""
     for table, rows in (("steps", steps), ("runs", [run])):
-        directory = _partition(base, table, sweep_id, method)
-        fs.create_dir(directory, recursive=True)
-        final = f"{directory}/{run['run_id']}.parquet"
-        temporary = f"{directory}/.{run['run_id']}.{uuid.uuid4().hex}.tmp"
-        table_data = pa.Table.from_pylist(rows, schema=TABLES[table])
-        pq.write_table(table_data, temporary, filesystem=fs)
-        fs.move(temporary, final)
+        partition = f"{table}/sweep_id={sweep_id}/method={method}"
+        write_table(root, partition, run["run_id"], pa.Table.from_pylist(rows, schema=TABLES[table]))
 
 
 def finished_run_ids(root: str, sweep_id: str) -> set[str]:

@@ -44,6 +44,11 @@ class RunContext:
     dataset: str
     dataset_params: str  # canonical JSON
     decode_steps: int = 32
+    run_timeout_s: float | None = None  # per method run; does not change results, so not in run ids
+
+
+class RunTimeout(Exception):
+    """A method run exceeded `RunContext.run_timeout_s` (checked between decode steps)."""
 
 
 @dataclass
@@ -121,10 +126,17 @@ def reference_decode(model, caches: list, first_logits: mx.array, continuation: 
     return tokens, logits_seq
 
 
-def free_running(model, caches: list, first_token: int, max_tokens: int, eos: set[int]) -> list[int]:
+def check_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise RunTimeout("run exceeded run_timeout_s")
+
+
+def free_running(model, caches: list, first_token: int, max_tokens: int, eos: set[int],
+                 deadline: float | None = None) -> list[int]:
     """Greedy answer tokens starting from the prefill's own argmax."""
     tokens = [first_token]
     while len(tokens) < max_tokens and tokens[-1] not in eos:
+        check_deadline(deadline)
         tokens.append(int(mx.argmax(decode_step(model, tokens[-1], caches)).item()))
     return [t for t in tokens if t not in eos]
 
@@ -179,12 +191,14 @@ def _run_method(model, tokenizer, sample, method, context, prompt, continuation,
         "created_at": datetime.now(timezone.utc),
     }
     step_rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + context.run_timeout_s if context.run_timeout_s else None
     try:
         mx.reset_peak_memory()
         start = time.perf_counter()
         caches = derive_cache(model, method, prefilled)
         row["prefill_s"] = prefill_s + time.perf_counter() - start
         for s in range(steps):
+            check_deadline(deadline)
             t0 = time.perf_counter()
             logits = decode_step(model, ref_tokens[s], caches)
             step_ms = 1000 * (time.perf_counter() - t0)
@@ -210,9 +224,11 @@ def _run_method(model, tokenizer, sample, method, context, prompt, continuation,
         else:
             eos = set(tokenizer.eos_token_ids)
             answer = free_running(model, derive_cache(model, method, prefilled), ref_tokens[0],
-                                  datasets.max_answer_tokens(sample), eos)
+                                  datasets.max_answer_tokens(sample), eos, deadline)
             row["prediction"] = tokenizer.decode(answer)
             row["score"] = datasets.score(sample, row["prediction"])
+    except RunTimeout as exc:
+        row["status"], row["error"] = "timeout", f"{exc} ({context.run_timeout_s} s)"
     except Exception as exc:  # recorded, and the shard goes on with the next method
         row["status"] = "error"
         row["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"

@@ -104,6 +104,7 @@ class SweepSpec:
     name: str
     model: str = "smollm2-135m"
     decode_steps: int = 32
+    run_timeout_s: float | None = 1800.0  # per method run; a slower run is recorded as "timeout"
     datasets: tuple[DatasetAxis, ...] = ()
     methods: tuple[MethodAxis, ...] = ()
 
@@ -124,6 +125,8 @@ class SweepSpec:
         errors: list[str] = []
         if not (isinstance(self.decode_steps, int) and 1 <= self.decode_steps <= 4096):
             errors.append(f"decode_steps: expected an int in [1, 4096], got {self.decode_steps!r}")
+        if self.run_timeout_s is not None and not (isinstance(self.run_timeout_s, (int, float)) and self.run_timeout_s > 0):
+            errors.append(f"run_timeout_s: expected a number of seconds > 0 or null, got {self.run_timeout_s!r}")
         if not self.datasets:
             errors.append("datasets: expected at least one dataset")
         if not self.methods:
@@ -172,7 +175,7 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
             raise SweepError([f"{where}.{unknown[0]}: unknown key; allowed: {sorted(allowed)}"])
         return d
 
-    top = known(data, {"name", "model", "decode_steps", "datasets", "methods"}, "sweep")
+    top = known(data, {"name", "model", "decode_steps", "run_timeout_s", "datasets", "methods"}, "sweep")
     dataset_axes = tuple(
         DatasetAxis(
             name=d["name"], params=dict(d.get("params") or {}),
@@ -189,7 +192,8 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
         if known(m, {"name", "params", "grid"}, f"methods[{i}]")
     )
     return SweepSpec(name=str(top.get("name", "sweep")), model=top.get("model", "smollm2-135m"),
-                     decode_steps=top.get("decode_steps", 32), datasets=dataset_axes, methods=method_axes)
+                     decode_steps=top.get("decode_steps", 32), run_timeout_s=top.get("run_timeout_s", 1800.0),
+                     datasets=dataset_axes, methods=method_axes)
 
 
 def load_spec(source: str | dict[str, Any]) -> SweepSpec:

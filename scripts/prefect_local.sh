@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A local Prefect server (SQLite, 127.0.0.1), a process work pool, the deployments and a worker.
-# Usage: scripts/prefect_local.sh {server|pool|deploy|worker|run NAME|stop|demo}
+# Usage: scripts/prefect_local.sh {server|pool|deploy|worker|workers N|run NAME [--param k=v ...]|stop|demo}
 # Environment (set by the Makefile): PREFECT_HOME, PREFECT_API_URL, KVCOMPRESS_HOME, VENV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,17 +24,32 @@ server() {
   echo "prefect server did not become healthy; see $PREFECT_HOME/server.log" >&2; exit 1
 }
 
-pool() {
-  prefect work-pool inspect "$pool" >/dev/null 2>&1 || prefect work-pool create "$pool" --type process >/dev/null
-  echo "work pool: $pool"
+pool() {  # `kvcompress` runs sweep flows; `kvcompress-shards` runs the shards of distributed sweeps
+  for p in "$pool" "$pool-shards"; do
+    prefect work-pool inspect "$p" >/dev/null 2>&1 || prefect work-pool create "$p" --type process >/dev/null
+  done
+  echo "work pools: $pool, $pool-shards"
 }
 
-deploy() { prefect --no-prompt deploy --all >"$PREFECT_HOME/deploy.log" 2>&1 || { cat "$PREFECT_HOME/deploy.log"; exit 1; }; echo "deployed: sweep/default, sweep/nightly"; }
+deploy() {
+  prefect --no-prompt deploy --all >"$PREFECT_HOME/deploy.log" 2>&1 || { cat "$PREFECT_HOME/deploy.log"; exit 1; }
+  echo "deployed: sweep/default, sweep/nightly, sweep-shard/shard"
+}
 
 worker() {
   nohup prefect worker start --pool "$pool" >>"$PREFECT_HOME/worker.log" 2>&1 &
   echo $! >>"$PREFECT_HOME/worker.pid"
   echo "worker started (log: $PREFECT_HOME/worker.log)"
+}
+
+workers() {  # N shard workers, one shard at a time each (run on any machine that shares the server)
+  local n=${1:-2}
+  for i in $(seq "$n"); do
+    nohup prefect worker start --pool "$pool-shards" --limit 1 --name "shard-worker-$i-$$" \
+      >>"$PREFECT_HOME/shard-worker-$i.log" 2>&1 &
+    echo $! >>"$PREFECT_HOME/worker.pid"
+  done
+  echo "$n shard workers started (logs: $PREFECT_HOME/shard-worker-*.log)"
 }
 
 run() {  # run a deployment to completion; fail unless it completed

@@ -19,6 +19,7 @@ def plan_sweep(grid: str | dict[str, Any]) -> dict[str, Any]:
         "name": spec.name,
         "model": spec.model,
         "decode_steps": spec.decode_steps,
+        "run_timeout_s": spec.run_timeout_s,
         "shards": [s.to_dict() for s in spec.shards()],
         "estimate": spec.estimate(),
     }
@@ -26,9 +27,10 @@ def plan_sweep(grid: str | dict[str, Any]) -> dict[str, Any]:
 
 @task(name="run-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30],
       task_run_name="run-shard-{shard[dataset]}-{shard[sample_index]}")
-def run_shard(shard: dict[str, Any], model: str, decode_steps: int, sweep_id: str, results: str) -> dict:
+def run_shard(shard: dict[str, Any], model: str, decode_steps: int, sweep_id: str, results: str,
+              run_timeout_s: float | None = None) -> dict:
     """One dataset sample through every unfinished method: one prefill, results written per run.
 
     Retries cover transient failures (I/O, a killed process); finished runs are skipped on retry.
     """
-    return execute_shard(shard, model, decode_steps, sweep_id, results)
+    return execute_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s)

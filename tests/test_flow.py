@@ -30,7 +30,8 @@ def read_table(root: Path, table: str) -> list[dict]:
 def deployed(prefect_server, tmp_path_factory):
     """Work pool + deployments from prefect.yaml + one process worker, on the session's server."""
     env = {**os.environ, "KVCOMPRESS_HOME": str(ROOT)}
-    prefect("work-pool", "create", "kvcompress", "--type", "process", env=env)
+    for pool in ("kvcompress", "kvcompress-shards"):
+        prefect("work-pool", "create", pool, "--type", "process", env=env)
     prefect("--no-prompt", "deploy", "--all", env=env)
     log = open(tmp_path_factory.mktemp("worker") / "worker.log", "w")
     worker = subprocess.Popen([*PREFECT, "worker", "start", "--pool", "kvcompress"], cwd=ROOT, env=env,
@@ -99,3 +100,50 @@ def test_killed_sweep_resumes_with_every_run_exactly_once(tmp_path):
         per_run.setdefault(s["run_id"], []).append(s["step"])
     assert {r["run_id"] for r in runs} == set(per_run)
     assert all(sorted(v) == [0, 1, 2, 3] for v in per_run.values())  # no duplicate, no lost step rows
+
+
+def test_two_shard_workers_split_a_sweep_with_results_identical_to_inline(deployed, tmp_path, embedded):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    from flows.sweep import sweep
+
+    env = {**deployed, "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
+    workers = [
+        subprocess.Popen([*PREFECT, "worker", "start", "--pool", "kvcompress-shards", "--limit", "1",
+                          "--name", f"shard-worker-{i}"], cwd=ROOT, env=env, start_new_session=True,
+                         stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        for i, log in enumerate(logs)
+    ]
+    grid = {"name": "split", "decode_steps": 2, "datasets": [{"name": "passkey", "context_tokens": [256], "num_samples": 4}],
+            "methods": [{"name": "full"}, {"name": "streaming", "grid": {"budget": [64]}}]}
+    results = tmp_path / "results"
+    try:
+        sweep(grid=grid, results=str(results), sweep_id="distributed", distribute=True)
+    finally:
+        for w in workers:
+            os.killpg(w.pid, signal.SIGTERM)
+            w.wait(timeout=30)
+    sweep(grid=grid, results=str(results), sweep_id="inline")
+
+    runs = read_table(results, "runs")
+    by_sweep = {}
+    for r in runs:
+        by_sweep.setdefault(r["sweep_id"], {})[r["run_id"]] = r
+    assert len(by_sweep["distributed"]) == len(by_sweep["inline"]) == 8
+    assert by_sweep["distributed"].keys() == by_sweep["inline"].keys()  # run ids ignore the sweep
+    for rid, inline in by_sweep["inline"].items():
+        dist = by_sweep["distributed"][rid]
+        assert (dist["status"], dist["score"], dist["prediction"], dist["live_kv_bytes"]) == \
+               (inline["status"], inline["score"], inline["prediction"], inline["live_kv_bytes"])
+    kl = {(s["sweep_id"], s["run_id"], s["step"]): s["kl"] for s in read_table(results, "steps")}
+    for (sweep_id, rid, step), value in kl.items():
+        if sweep_id == "inline":
+            assert kl[("distributed", rid, step)] == pytest.approx(value, abs=1e-6)
+    with get_client(sync_client=True) as client:
+        shard_runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["sweep-shard"])))
+    assert len(shard_runs) == 4 and all(r.state.is_completed() for r in shard_runs)
+    taken = [{str(r.id) for r in shard_runs if str(r.id) in log.read_text()} for log in logs]
+    assert all(taken) and set.union(*taken) == {str(r.id) for r in shard_runs}  # both workers took shards
+    assert not set.intersection(*taken)  # and no shard ran twice

@@ -15,6 +15,7 @@ others go on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -58,6 +59,12 @@ class RunRecord:
     method: str
 
 
+def sample_fingerprint(sample: dict) -> str:
+    """Hash of the sample's text and answers: a changed essay or local file changes the run id."""
+    text = json.dumps([sample["context"], sample["question"], list(sample["answers"])])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def run_config(context: RunContext, sample: dict, method: Method) -> dict[str, Any]:
     """The full configuration of one run: what its id hashes and its `config` column holds."""
     return {
@@ -66,6 +73,7 @@ def run_config(context: RunContext, sample: dict, method: Method) -> dict[str, A
         "dataset": context.dataset,
         "dataset_params": json.loads(context.dataset_params),
         "sample_id": sample["id"],
+        "sample_fingerprint": sample_fingerprint(sample),
         "method": json.loads(method.to_json()),
         "decode_steps": context.decode_steps,
     }

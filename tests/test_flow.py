@@ -116,6 +116,10 @@ def test_two_shard_workers_split_a_sweep_with_results_identical_to_inline(deploy
                          stdout=open(log, "w"), stderr=subprocess.STDOUT)
         for i, log in enumerate(logs)
     ]
+    deadline = time.monotonic() + 120
+    while not all("started" in log.read_text() for log in logs):  # both polling before any shard exists
+        assert time.monotonic() < deadline, [log.read_text() for log in logs]
+        time.sleep(0.5)
     grid = {"name": "split", "decode_steps": 2, "datasets": [{"name": "passkey", "context_tokens": [256], "num_samples": 4}],
             "methods": [{"name": "full"}, {"name": "streaming", "grid": {"budget": [64]}}]}
     results = tmp_path / "results"

@@ -1,0 +1,194 @@
+"""KIVI on a CUDA GPU (the lent H200): kernel exactness, quantize-and-pack bandwidth, decode attention.
+
+Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/kivi_gpu.py`. Needs only mlx
+and mlx-lm. Prints three tables:
+1. the fused CUDA quantize-and-pack kernel vs the plain MLX reference (run on the CPU stream, and on
+   the GPU stream), bit for bit, over dtypes x bits x group sizes x layouts x shapes x input kinds;
+   every output is poisoned twice (two init values) so an unwritten element cannot pass;
+2. quantize-and-pack bandwidth on [32, 4096, 128] fp16 ((bytes read + written) / median time)
+   against a measured copy ceiling, the MLX reference path and mx.quantize;
+3. decode attention at 32k context, 8 KV heads, 32 query heads, D = 128, fp16, 32 layers per timed
+   step: KIVI-2 / KIVI-4 / K4V2 packed attention vs the full cache (mx.fast.scaled_dot_product_attention).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvcompress  # noqa: E402,F401  (BLAS preload; harmless on GPU)
+import mlx.core as mx  # noqa: E402
+from kvcompress.attention import reference_attention  # noqa: E402
+from kvcompress.kernels.kivi_quant import quantize_pack_kernel, quantize_pack_reference  # noqa: E402
+from kvcompress.methods.kivi import KiviCache  # noqa: E402
+
+
+def median_ms(fn, repeat=50, warmup=5) -> float:
+    for _ in range(warmup):
+        mx.eval(fn())
+    mx.synchronize()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def make_input(kind: str, shape, dtype, key):
+    if kind == "normal":
+        x = mx.random.normal(shape, key=key)
+    elif kind == "outlier":  # a few channels 20x larger, as in KIVI's key statistics
+        x = mx.random.normal(shape, key=key) * mx.where(mx.arange(shape[-1]) % 17 == 3, 20.0, 1.0)
+    elif kind == "ties":  # multiples of 1/2 in [0, 7.5]: exact .5 ties on the code grid
+        x = mx.random.randint(0, 16, shape, key=key).astype(mx.float32) / 2
+    else:  # "constant" rows: scale 0
+        x = mx.broadcast_to(mx.random.normal(shape[:-1] + (1,), key=key), shape)
+    return x.astype(dtype)
+
+
+def exactness_table():
+    print("\n## 1. fused CUDA quantize-and-pack vs MLX reference (bit-exact)")
+    # small enough that the CPU-stream reference (emulated fp16/bf16) stays fast
+    shapes_tok = [(1, 1, 1, 128), (1, 8, 7, 128), (2, 3, 33, 256)]  # groups along the last axis
+    shapes_ch = [(1, 1, 1, 64), (1, 8, 3, 128), (2, 3, 2, 96)]  # dim 2 counts groups of G tokens
+    kinds = ["normal", "outlier", "ties", "constant"]
+    rows, key = [], mx.random.key(0)
+    for dtype in (mx.float16, mx.bfloat16, mx.float32):
+        for bits in (2, 3, 4, 8):
+            for G in (32, 64, 128):
+                for per_channel in (False, True):
+                    n = exact_cpu = exact_gpu = 0
+                    shapes = shapes_ch if per_channel else shapes_tok
+                    for shape in shapes:
+                        if per_channel:
+                            shape = shape[:2] + (shape[2] * G, shape[3])
+                        elif shape[-1] % G:
+                            continue
+                        for kind in kinds:
+                            key, sub = mx.random.split(key)
+                            x = make_input(kind, shape, dtype, sub)
+                            mx.eval(x)
+                            outs = []
+                            for poison in (3.0, 5.0):
+                                outs.append(quantize_pack_kernel(x, bits, G, per_channel, "cuda", init_value=poison))
+                            with mx.stream(mx.cpu):
+                                ref_cpu = quantize_pack_reference(x, bits, G, per_channel)
+                                mx.eval(ref_cpu)
+                            ref_gpu = quantize_pack_reference(x, bits, G, per_channel)
+                            mx.eval(outs, ref_gpu)
+                            n += 1
+                            exact_cpu += all(mx.array_equal(o, r).item() for out in outs for o, r in zip(out, ref_cpu))
+                            exact_gpu += all(mx.array_equal(o, r).item() for o, r in zip(outs[0], ref_gpu))
+                    rows.append((str(dtype).split(".")[-1], bits, G, "per-channel" if per_channel else "per-token", n, exact_cpu, exact_gpu))
+    print(f"{'dtype':9} {'bits':>4} {'G':>4} {'layout':12} {'cases':>5} {'exact_vs_cpu_ref':>16} {'exact_vs_gpu_ref':>16}")
+    for r in rows:
+        print(f"{r[0]:9} {r[1]:>4} {r[2]:>4} {r[3]:12} {r[4]:>5} {r[5]:>16} {r[6]:>16}")
+    total, cpu_ok, gpu_ok = (sum(r[i] for r in rows) for i in (4, 5, 6))
+    print(f"TOTAL cases {total}: bit-exact vs CPU reference {cpu_ok}, vs GPU reference {gpu_ok}")
+
+
+def bandwidth_table(shape=(32, 4096, 128), big_shape=(1024, 1024, 256)):
+    print(f"\n## 2. quantize-and-pack bandwidth, {list(shape)} fp16, G = 32 (8 rotating inputs)")
+    xs = [mx.random.normal(shape, key=mx.random.key(i)).astype(mx.float16) for i in range(8)]
+    big = mx.random.normal(big_shape, key=mx.random.key(99)).astype(mx.float16)  # 512 MiB
+    mx.eval(xs, big)
+    copy_ms = median_ms(lambda: big * 1, repeat=20)
+    ceiling = 2 * big.nbytes / copy_ms / 1e6  # GB/s
+    print(f"copy ceiling (x * 1 on {big.nbytes // 2**20} MiB fp16): {ceiling:.0f} GB/s read+write")
+    print(f"{'path':38} {'bits':>4} {'ms/call':>8} {'GB/s':>8} {'% ceiling':>9}")
+    n = xs[0].size
+    # one eval runs all 8 inputs, so the per-call host sync (~0.2 ms) does not hide the kernel time
+    for bits in (2, 4):
+        moved = xs[0].nbytes + n * bits // 8 + 2 * (n // 32) * 2
+        cases = [
+            ("kivi cuda kernel, per-token (values)", lambda x: quantize_pack_kernel(x, bits, 32, False, "cuda")),
+            ("kivi cuda kernel, per-channel (keys)", lambda x: quantize_pack_kernel(x, bits, 32, True, "cuda")),
+            ("kivi MLX reference, per-token", lambda x: quantize_pack_reference(x, bits, 32, False)),
+            ("kivi MLX reference, per-channel", lambda x: quantize_pack_reference(x, bits, 32, True)),
+            ("mx.quantize (per-token, affine)", lambda x: mx.quantize(x, group_size=32, bits=bits)),
+        ]
+        for name, fn in cases:
+            ms = median_ms(lambda: [fn(x) for x in xs], repeat=20) / len(xs)
+            gbs = moved / ms / 1e6
+            print(f"{name:38} {bits:>4} {ms:8.3f} {gbs:8.0f} {100 * gbs / ceiling:8.1f}%")
+
+
+def check_attention():
+    print("\n## 3a. packed attention vs dequantize-then-attend on CUDA (fp16, GQA 4, rel. L2 error)")
+    key = mx.random.key(7)
+    for kb, vb in ((2, 2), (4, 2), (4, 4), (8, 8)):
+        cache = KiviCache(kb, vb, 32, 128)
+        k1, k2, k3 = mx.random.split(key, 3)
+        keys = mx.random.normal((1, 8, 1000, 128), key=k1).astype(mx.float16)
+        values = mx.random.normal((1, 8, 1000, 128), key=k2).astype(mx.float16)
+        cache.from_prefill(keys[:, :, :992], values[:, :, :992], None)
+        view = cache.update_and_fetch(keys[:, :, 992:], values[:, :, 992:])
+        (kp, kr), (vp, vr) = view
+        kd = mx.concatenate([mx.dequantize(*kp, group_size=32, bits=kb).swapaxes(-1, -2), kr], axis=2)
+        vd = mx.concatenate([mx.dequantize(*vp, group_size=32, bits=vb), vr], axis=2)
+        for L, mask in ((1, None), (8, "causal")):
+            q = mx.random.normal((1, 32, L, 128), key=k3).astype(mx.float16)
+            out = cache.attention(q, *view, scale=128**-0.5, mask=mask).astype(mx.float32)
+            ref = reference_attention(q.astype(mx.float32), kd.astype(mx.float32), vd.astype(mx.float32), 128**-0.5, mask)
+            err = (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
+            print(f"K{kb}V{vb} L={L}: rel error {err:.2e}")
+
+
+def decode_table(T=32768, layers=32):
+    print(f"\n## 3b. decode attention, {T} context, 8 KV heads, 32 query heads, D = 128, fp16, {layers} layers/step")
+    scale = 128**-0.5
+    qs = [mx.random.normal((1, 32, 1, 128), key=mx.random.key(1000 + i)).astype(mx.float16) for i in range(layers)]
+    full = []
+    for i in range(layers):
+        k = mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i)).astype(mx.float16)
+        v = mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i + 1)).astype(mx.float16)
+        full.append((k, v))
+    mx.eval(full, qs)
+    full_bytes = sum(k.nbytes + v.nbytes for k, v in full)
+    full_ms = median_ms(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale) for q, (k, v) in zip(qs, full)], repeat=30)
+    print(f"{'cache':10} {'ms/step':>8} {'us/layer':>9} {'KV MiB':>8} {'x smaller':>9} {'speedup':>8}")
+    print(f"{'full':10} {full_ms:8.3f} {1e3 * full_ms / layers:9.1f} {full_bytes / 2**20:8.0f} {1.0:9.2f} {1.0:8.2f}")
+    for kb, vb in ((2, 2), (4, 4), (4, 2)):
+        caches, views = [], []
+        for k, v in full:
+            c = KiviCache(kb, vb, 32, 128)
+            c.from_prefill(k[:, :, : T - 1], v[:, :, : T - 1], None)
+            views.append(c.update_and_fetch(k[:, :, T - 1 :], v[:, :, T - 1 :]))
+            caches.append(c)
+            mx.eval([c.state[:8] for c in caches[-1:]], views[-1])
+        live = sum(c.live_kv_bytes for c in caches)
+        ms = median_ms(lambda: [c.attention(q, *vw, scale=scale, mask=None) for c, q, vw in zip(caches, qs, views)], repeat=30)
+        name = f"KIVI-{kb}" if kb == vb else f"K{kb}V{vb}"
+        print(f"{name:10} {ms:8.3f} {1e3 * ms / layers:9.1f} {live / 2**20:8.0f} {full_bytes / live:9.2f} {full_ms / ms:8.2f}")
+        if kb == vb == 2:  # where the time goes: the two quantized matmuls and the softmax, alone
+            qf = [q.reshape(1, 8, 4, 128) for q in qs]
+            p = [mx.softmax(mx.random.normal((1, 8, 4, T), key=mx.random.key(5)).astype(mx.float16), axis=-1)] * layers
+            parts = {
+                "scores qmm": lambda: [mx.quantized_matmul(x, *vw[0][0], transpose=False, group_size=32, bits=2) for x, vw in zip(qf, views)],
+                "softmax": lambda: [mx.softmax(x, axis=-1, precise=True) for x in p],
+                "output qmm": lambda: [mx.quantized_matmul(x[..., : vw[1][0][0].shape[-2]], *vw[1][0], transpose=False, group_size=32, bits=2)
+                               for x, vw in zip(p, views)],
+            }
+            for part, fn in parts.items():
+                print(f"  {part:12} {median_ms(fn, repeat=20):8.3f} ms/step")
+        del caches, views
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)
+    print("mlx", mx.__version__, mx.default_device(), "cuda" if mx.cuda.is_available() else "no cuda")
+    parts = sys.argv[1:] or ["exact", "attn", "bandwidth", "decode"]
+    for part, fn in (("exact", exactness_table), ("attn", check_attention), ("bandwidth", bandwidth_table), ("decode", decode_table)):
+        if part in parts:
+            t = time.time()
+            try:
+                fn()
+            except Exception as e:  # report and go on: one device call should bring back every table it can
+                print(f"FAILED {part}: {type(e).__name__}: {e}")
+            print(f"[{part}: {time.time() - t:.1f} s]")

@@ -149,6 +149,33 @@ def free_running(model, caches: list, first_token: int, max_tokens: int, eos: se
     return [t for t in tokens if t not in eos]
 
 
+@dataclass
+class Reference:
+    """What every method of a sample shares: the prompt, its full prefill and the reference decode."""
+
+    prompt: list[int]
+    continuation: list[int] | None  # the dataset's own next tokens (language modelling), else None
+    prefilled: list  # full caches holding exactly the prompt (and its queries when recorded)
+    prefill_s: float
+    tokens: list[int]  # y_0 .. y_steps
+    logits: list[mx.array]  # the full cache's distributions that predicted them
+    full_kv_bytes: int  # the full cache after `steps` decode steps
+    steps: int
+
+
+def reference(model, tokenizer, sample: dict, methods: list[Method], decode_steps: int) -> Reference:
+    prompt = datasets.prompt_tokens(sample, tokenizer)
+    continuation = datasets.reference_tokens(sample, tokenizer)
+    steps = decode_steps if continuation is None else min(decode_steps, len(continuation) - 1)
+    caches, first_logits, prefill_s = prefill(model, prompt, any(m.needs_queries for m in methods))
+    prompt_kv = [c.keys_and_values() for c in caches]
+    tokens, logits = reference_decode(model, caches, first_logits, continuation, steps)
+    full_bytes = live_kv_bytes(caches)
+    for cache, (keys, values) in zip(caches, prompt_kv):  # back to the prompt alone
+        cache.state = (keys, values, keys.shape[2])
+    return Reference(prompt, continuation, caches, prefill_s, tokens, logits, full_bytes, steps)
+
+
 def run_sample(
     model,
     tokenizer,
@@ -158,29 +185,18 @@ def run_sample(
     on_record: Callable[[RunRecord], None] | None = None,
 ) -> list[RunRecord]:
     """Run every method on one sample; `on_record` sees each record as soon as it exists."""
-    prompt = datasets.prompt_tokens(sample, tokenizer)
-    continuation = datasets.reference_tokens(sample, tokenizer)
-    steps = context.decode_steps if continuation is None else min(context.decode_steps, len(continuation) - 1)
-    full_caches, first_logits, prefill_s = prefill(model, prompt, any(m.needs_queries for m in methods))
-    prefill_kv = [(c.keys_and_values()) for c in full_caches]
-    ref_tokens, ref_logits = reference_decode(model, full_caches, first_logits, continuation, steps)
-    full_bytes = live_kv_bytes(full_caches)
-    # the prefill's keys/values and queries stay untouched by the reference decode
-    for cache, (keys, values) in zip(full_caches, prefill_kv):
-        cache.state = (keys, values, keys.shape[2])
-
+    ref = reference(model, tokenizer, sample, methods, context.decode_steps)
     records = []
     for method in methods:
-        record = _run_method(model, tokenizer, sample, method, context, prompt, continuation, full_caches,
-                             prefill_s, ref_tokens, ref_logits, full_bytes, steps)
+        record = run_method(model, tokenizer, sample, method, context, ref)
         records.append(record)
         if on_record is not None:
             on_record(record)
     return records
 
 
-def _run_method(model, tokenizer, sample, method, context, prompt, continuation, prefilled,
-                prefill_s, ref_tokens, ref_logits, full_bytes, steps) -> RunRecord:
+def run_method(model, tokenizer, sample: dict, method: Method, context: RunContext, ref: Reference) -> RunRecord:
+    """One method on one sample: derive its cache, decode teacher-forced, then free-running."""
     config = run_config(context, sample, method)
     row: dict[str, Any] = {
         "run_id": run_id(config),
@@ -188,13 +204,13 @@ def _run_method(model, tokenizer, sample, method, context, prompt, continuation,
         "dataset": context.dataset,
         "task": sample["task"],
         "sample_id": sample["id"],
-        "context_tokens": json.loads(context.dataset_params).get("context_tokens", len(prompt)),
-        "prompt_tokens": len(prompt),
+        "context_tokens": json.loads(context.dataset_params).get("context_tokens", len(ref.prompt)),
+        "prompt_tokens": len(ref.prompt),
         **method.grid_columns(),
         "status": "ok",
         "error": None,
-        "full_kv_bytes": full_bytes,
-        "decode_steps": steps,
+        "full_kv_bytes": ref.full_kv_bytes,
+        "decode_steps": ref.steps,
         "config": json.dumps(config, sort_keys=True),
         "created_at": datetime.now(timezone.utc),
     }
@@ -203,21 +219,21 @@ def _run_method(model, tokenizer, sample, method, context, prompt, continuation,
     try:
         mx.reset_peak_memory()
         start = time.perf_counter()
-        caches = derive_cache(model, method, prefilled)
-        row["prefill_s"] = prefill_s + time.perf_counter() - start
-        for s in range(steps):
+        caches = derive_cache(model, method, ref.prefilled)
+        row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
+        for s in range(ref.steps):
             check_deadline(deadline)
             t0 = time.perf_counter()
-            logits = decode_step(model, ref_tokens[s], caches)
+            logits = decode_step(model, ref.tokens[s], caches)
             step_ms = 1000 * (time.perf_counter() - t0)
-            metrics = step_metrics(ref_logits[s + 1], logits, ref_tokens[s + 1])
+            metrics = step_metrics(ref.logits[s + 1], logits, ref.tokens[s + 1])
             if not all(math.isfinite(metrics[k]) for k in ("kl", "logit_cosine", "nll")):
                 row["status"], row["error"] = "nonfinite", f"non-finite logits at decode step {s}"
                 break
             step_rows.append({
-                "run_id": row["run_id"], "step": s, "position": len(prompt) + s,
-                "ref_token": ref_tokens[s + 1], "token": metrics["token"],
-                "top1_agree": metrics["token"] == ref_tokens[s + 1], "kl": metrics["kl"],
+                "run_id": row["run_id"], "step": s, "position": len(ref.prompt) + s,
+                "ref_token": ref.tokens[s + 1], "token": metrics["token"],
+                "top1_agree": metrics["token"] == ref.tokens[s + 1], "kl": metrics["kl"],
                 "logit_cosine": metrics["logit_cosine"], "nll": metrics["nll"],
                 "tokens_kept": tokens_kept(caches), "live_kv_bytes": live_kv_bytes(caches), "step_ms": step_ms,
             })
@@ -226,12 +242,12 @@ def _run_method(model, tokenizer, sample, method, context, prompt, continuation,
         row["live_kv_bytes"] = live_kv_bytes(caches)
         row["tokens_kept"] = tokens_kept(caches)
         row["peak_memory_bytes"] = mx.get_peak_memory()
-        if continuation is not None:  # language modelling: geometric-mean token probability
+        if ref.continuation is not None:  # language modelling: geometric-mean token probability
             row["score"] = math.exp(-sum(r["nll"] for r in step_rows) / len(step_rows)) if step_rows else None
             row["prediction"] = None
         else:
             eos = set(tokenizer.eos_token_ids)
-            answer = free_running(model, derive_cache(model, method, prefilled), ref_tokens[0],
+            answer = free_running(model, derive_cache(model, method, ref.prefilled), ref.tokens[0],
                                   datasets.max_answer_tokens(sample), eos, deadline)
             row["prediction"] = tokenizer.decode(answer)
             row["score"] = datasets.score(sample, row["prediction"])

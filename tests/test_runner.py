@@ -1,0 +1,47 @@
+"""The runner on the real embedded model: shared prefill, reference decode, per-method metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvcompress import datasets, load_dataset
+from kvcompress.methods import method_config
+from kvcompress.runner import RunContext, run_sample
+
+
+def context_for(dataset: str, params: dict, steps: int, timeout: float | None = None) -> RunContext:
+    return RunContext("smollm2-135m", "fp", dataset, json.dumps(params, sort_keys=True), steps, timeout)
+
+
+def test_language_modelling_is_teacher_forced_on_the_dataset_continuation(embedded):
+    model, tokenizer = embedded
+    params = {"context_tokens": 256, "continuation_tokens": 8, "num_samples": 1, "seed": 3}
+    sample = load_dataset("lm", tokenizer=tokenizer, **params)[0]
+    methods = [method_config("full"), method_config("streaming", budget=64, n_sink=4)]
+    full, stream = run_sample(model, tokenizer, sample, methods, context_for("lm", params, 32))
+    continuation = datasets.reference_tokens(sample, tokenizer)
+    assert len(full.steps) == len(continuation) - 1  # capped by the continuation, not decode_steps
+    assert [s["ref_token"] for s in full.steps] == continuation[1:]
+    assert all(s["kl"] == 0.0 for s in full.steps)
+    nll = [s["nll"] for s in full.steps]
+    assert full.run["score"] == pytest.approx(math.exp(-sum(nll) / len(nll)))
+    assert full.run["prediction"] is None and full.run["context_tokens"] == 256
+    assert stream.run["tokens_kept"] == 64
+    assert stream.run["live_kv_bytes"] < 0.35 * stream.run["full_kv_bytes"]
+    assert all(s["kl"] > 0 for s in stream.steps)
+    assert full.run["run_id"] != stream.run["run_id"]
+
+
+def test_a_run_past_its_timeout_is_recorded_and_the_shard_goes_on(embedded):
+    model, tokenizer = embedded
+    params = {"context_tokens": 256, "num_samples": 1, "seed": 0}
+    sample = load_dataset("passkey", tokenizer=tokenizer, **params)[0]
+    methods = [method_config("mlx-quant", bits=8), method_config("full")]
+    slow, ok = run_sample(model, tokenizer, sample, methods, context_for("passkey", params, 2, timeout=1e-9))
+    assert slow.run["status"] == "timeout" and "run_timeout_s" in slow.run["error"] and slow.steps == []
+    assert ok.run["status"] == "timeout"  # recorded too: the shard went on to it
+    generous = run_sample(model, tokenizer, sample, methods[:1], context_for("passkey", params, 2, timeout=600))
+    assert generous[0].run["status"] == "ok" and len(generous[0].steps) == 2

@@ -122,39 +122,63 @@ CUDA_SOURCE = """
     const int evicted = best_index[0];
     if (blockIdx.x == 0 && tid == 0) { evicted_out[row] = evicted; }
 
-    // 2. compaction of this block's share of output slots [0, n - 1)
+    // 2. compaction of this block's share of output slots [first, last) of [0, n - 1):
+    //    segment A [first, min(last, evicted)) copies the same slots, segment B
+    //    [max(first, evicted), last) copies the next slot (and, compact mode, rotates its key)
     const int m = n - 1;
     const int per_block = (m + gridDim.x - 1) / gridDim.x;
     const int first = blockIdx.x * per_block;
     const int last = min(m, first + per_block);
+    const int a_end = min(last, evicted);
+    const int b_start = max(first, evicted);
     for (int i = first + tid; i < last; i += blockDim.x) {
         int src = i + (i >= evicted ? 1 : 0);
         scores_out[row * m + i] = scores[row * n + src];
         positions_out[row * m + i] = positions[row * n + src];
     }
-    for (int e = first * D + tid; e < last * D; e += blockDim.x) {
-        int i = e / D;
-        int d = e - i * D;
-        int src = i + (i >= evicted ? 1 : 0);
-        size_t in_at = ((size_t)row * n + src) * D;
-        size_t out_at = ((size_t)row * m + i) * D;
-        values_out[out_at + d] = values[in_at + d];
-        T k = keys[in_at + d];
-        if (COMPACT && i >= evicted && d < 2 * HALF) {
-            // rotate by -1 position: cos(theta), -sin(theta); same op order as rotate_pairs
-            int f, partner;
-            bool first_half;
-            if (TRADITIONAL) { f = d / 2; first_half = (d % 2) == 0; partner = first_half ? d + 1 : d - 1; }
-            else { f = d % HALF; first_half = d < HALF; partner = first_half ? d + HALF : d - HALF; }
-            float c = cos_theta[f];
-            float s = -sin_theta[f];
-            float x = static_cast<float>(k);
-            float y = static_cast<float>(keys[in_at + partner]);
-            float r = first_half ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s))
-                                 : __fadd_rn(__fmul_rn(y, s), __fmul_rn(x, c));
-            k = static_cast<T>(r);
+    const size_t row_in = (size_t)row * n * D;
+    const size_t row_out = (size_t)row * m * D;
+    // plain copies in 16-byte vectors when a token's row is a multiple of 16 bytes (VEC)
+    const int per = VEC ? D * (int)sizeof(T) / 16 : D;
+    if (VEC) {
+        const uint4* kv_in[2] = {(const uint4*)(values + row_in), (const uint4*)(keys + row_in)};
+        uint4* kv_out[2] = {(uint4*)(values_out + row_out), (uint4*)(keys_out + row_out)};
+        for (int which = 0; which < 2; ++which) {
+            for (int e = first * per + tid; e < a_end * per; e += blockDim.x) kv_out[which][e] = kv_in[which][e];
+            if (which == 1 && COMPACT) break;
+            for (int e = b_start * per + tid; e < last * per; e += blockDim.x) kv_out[which][e] = kv_in[which][e + per];
         }
-        keys_out[out_at + d] = k;
+    } else {
+        const T* kv_in[2] = {values + row_in, keys + row_in};
+        T* kv_out[2] = {values_out + row_out, keys_out + row_out};
+        for (int which = 0; which < 2; ++which) {
+            for (int e = first * D + tid; e < a_end * D; e += blockDim.x) kv_out[which][e] = kv_in[which][e];
+            if (which == 1 && COMPACT) break;
+            for (int e = b_start * D + tid; e < last * D; e += blockDim.x) kv_out[which][e] = kv_in[which][e + D];
+        }
+    }
+    if (COMPACT) {
+        // segment B keys move one RoPE position back: rotate by cos(theta), -sin(theta), with the
+        // products and sums rounded separately, in the order rotate_pairs uses
+        for (int e = b_start * D + tid; e < last * D; e += blockDim.x) {
+            int d = e % D;
+            size_t in_at = row_in + e + D;
+            T k = keys[in_at];
+            if (d < 2 * HALF) {
+                int f, partner;
+                bool first_half;
+                if (TRADITIONAL) { f = d / 2; first_half = (d % 2) == 0; partner = first_half ? d + 1 : d - 1; }
+                else { f = d % HALF; first_half = d < HALF; partner = first_half ? d + HALF : d - HALF; }
+                float c = cos_theta[f];
+                float s = -sin_theta[f];
+                float x = static_cast<float>(k);
+                float y = static_cast<float>(keys[in_at - d + partner]);
+                float r = first_half ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s))
+                                     : __fadd_rn(__fmul_rn(y, s), __fmul_rn(x, c));
+                k = static_cast<T>(r);
+            }
+            keys_out[row_out + e] = k;
+        }
     }
 """
 
@@ -196,34 +220,57 @@ METAL_SOURCE = """
     const int per_block = (m + blocks - 1) / blocks;
     const int first = block * per_block;
     const int last = min(m, first + per_block);
+    const int a_end = min(last, evicted);
+    const int b_start = max(first, evicted);
     for (int i = first + tid; i < last; i += threads) {
         int src = i + (i >= evicted ? 1 : 0);
         scores_out[row * m + i] = scores[row * n + src];
         positions_out[row * m + i] = positions[row * n + src];
     }
-    for (int e = first * D + tid; e < last * D; e += threads) {
-        int i = e / D;
-        int d = e - i * D;
-        int src = i + (i >= evicted ? 1 : 0);
-        size_t in_at = ((size_t)row * n + src) * D;
-        size_t out_at = ((size_t)row * m + i) * D;
-        values_out[out_at + d] = values[in_at + d];
-        T k = keys[in_at + d];
-        if (COMPACT && i >= evicted && d < 2 * HALF) {
-            int f, partner;
-            bool first_half;
-            if (TRADITIONAL) { f = d / 2; first_half = (d % 2) == 0; partner = first_half ? d + 1 : d - 1; }
-            else { f = d % HALF; first_half = d < HALF; partner = first_half ? d + HALF : d - HALF; }
-            float c = cos_theta[f];
-            float s = -sin_theta[f];
-            float x = static_cast<float>(k);
-            float y = static_cast<float>(keys[in_at + partner]);
-            // precise:: keeps the products unfused, as the CUDA __fmul_rn path
-            float r = first_half ? (precise::fma(x, c, 0.0f) - precise::fma(y, s, 0.0f))
-                                 : (precise::fma(y, s, 0.0f) + precise::fma(x, c, 0.0f));
-            k = static_cast<T>(r);
+    const size_t row_in = (size_t)row * n * D;
+    const size_t row_out = (size_t)row * m * D;
+    const int per = VEC ? D * (int)sizeof(T) / 16 : D;
+    if (VEC) {
+        const device uint4* v_in = (const device uint4*)(values + row_in);
+        const device uint4* k_in = (const device uint4*)(keys + row_in);
+        device uint4* v_out = (device uint4*)(values_out + row_out);
+        device uint4* k_out = (device uint4*)(keys_out + row_out);
+        for (int e = first * per + tid; e < a_end * per; e += threads) { v_out[e] = v_in[e]; k_out[e] = k_in[e]; }
+        for (int e = b_start * per + tid; e < last * per; e += threads) {
+            v_out[e] = v_in[e + per];
+            if (!COMPACT) k_out[e] = k_in[e + per];
         }
-        keys_out[out_at + d] = k;
+    } else {
+        for (int e = first * D + tid; e < a_end * D; e += threads) {
+            values_out[row_out + e] = values[row_in + e];
+            keys_out[row_out + e] = keys[row_in + e];
+        }
+        for (int e = b_start * D + tid; e < last * D; e += threads) {
+            values_out[row_out + e] = values[row_in + e + D];
+            if (!COMPACT) keys_out[row_out + e] = keys[row_in + e + D];
+        }
+    }
+    if (COMPACT) {
+        for (int e = b_start * D + tid; e < last * D; e += threads) {
+            int d = e % D;
+            size_t in_at = row_in + e + D;
+            T k = keys[in_at];
+            if (d < 2 * HALF) {
+                int f, partner;
+                bool first_half;
+                if (TRADITIONAL) { f = d / 2; first_half = (d % 2) == 0; partner = first_half ? d + 1 : d - 1; }
+                else { f = d % HALF; first_half = d < HALF; partner = first_half ? d + HALF : d - HALF; }
+                float c = cos_theta[f];
+                float s = -sin_theta[f];
+                float x = static_cast<float>(k);
+                float y = static_cast<float>(keys[in_at - d + partner]);
+                // precise:: keeps the products unfused, as the CUDA __fmul_rn path
+                float r = first_half ? (precise::fma(x, c, 0.0f) - precise::fma(y, s, 0.0f))
+                                     : (precise::fma(y, s, 0.0f) + precise::fma(x, c, 0.0f));
+                k = static_cast<T>(r);
+            }
+            keys_out[row_out + e] = k;
+        }
     }
 """
 
@@ -240,7 +287,9 @@ def _kernel(backend: str):
     return _kernels[backend]
 
 
-def evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, rotation=None, traditional=False, backend="cuda"):
+def evict_one_fused(
+    keys, values, scores, positions, evict_by, n_sink, recent, rotation=None, traditional=False, backend="cuda", blocks_per_row=None
+):
     """`evict_one_reference` as one fused GPU kernel (backend "cuda" or "metal")."""
     R, n, D = keys.shape
     if rotation is None:
@@ -248,8 +297,11 @@ def evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, r
     else:
         cos, sin = (a.astype(mx.float32) for a in rotation)
     half = cos.shape[-1] if rotation is not None else 1
-    # enough blocks per row to keep every SM busy at R = 32, each block copying >= 16 slots
-    blocks_per_row = max(1, min(64, (n - 1) // 16))
+    if blocks_per_row is None:
+        # every block re-reads its row's n scores for the argmin (4 bytes per slot, against
+        # 2 * 2 * D * itemsize copied), so many blocks per row are cheap; on the H200 at R = 32,
+        # n = 8192 time fell from 4 to 64 blocks per row (benchmarks/keyformer_gpu.py)
+        blocks_per_row = max(1, min(64, (n - 1) // 128))
     outs = _kernel(backend)(
         inputs=[keys, values, scores.astype(mx.float32), positions.astype(mx.int32), evict_by.astype(mx.float32), cos, sin],
         template=[
@@ -259,6 +311,7 @@ def evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, r
             ("COMPACT", int(rotation is not None)),
             ("TRADITIONAL", int(bool(traditional))),
             ("HALF", int(half)),
+            ("VEC", int((D * keys.dtype.size) % 16 == 0)),
         ],
         grid=(blocks_per_row * THREADS, R, 1),
         threadgroup=(THREADS, 1, 1),

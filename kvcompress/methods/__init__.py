@@ -8,11 +8,12 @@ from typing import Any
 
 from .base import CompressedCache, ConfigError, Method
 from .full import Full
+from .keyformer import H2O, Keyformer
 from .kivi import Kivi
 from .mlx_quant import MlxQuant
 from .streaming import Streaming
 
-REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Full, Kivi, MlxQuant, Streaming)}
+REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Full, H2O, Keyformer, Kivi, MlxQuant, Streaming)}
 
 
 def method_config(name: str, **params: Any) -> Method:

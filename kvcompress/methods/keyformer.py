@@ -23,6 +23,7 @@ Implementation choices (each tested):
   so it is deterministic, differs across layers and heads, and is the same however the prompt is
   chunked. `noise="redraw"` draws fresh noise for every query step (paper); `noise="frozen"` draws
   one value per key position (reference system). Noise is recomputed from positions, never stored.
+  The query heads of one KV head share its noise: the noise regularizes that KV head's decision.
 - Prefill keeps everything (full causal attention, chunked as mlx-lm chunks it), accumulates the
   prompt's scores, then makes one vectorized selection down to the budget. Each decode step then
   evicts at most one token per row (kvcompress/kernels/keyformer_evict.py).
@@ -30,6 +31,12 @@ Implementation choices (each tested):
   `offset` is the true sequence position. `positions="compact"` re-rotates survivors to the
   contiguous positions 0..n_kept-1 and reports `offset = n_kept` (StreamingLLM-style). RoPE
   rotations are read off the model's own RoPE module (its base, scaling and layout), never assumed.
+
+Cost: prompt scoring is a second causal softmax over the prompt plus Gumbel noise per (query, key)
+(~1 s per layer at 2k tokens on the 2-core CPU). A decode step appends (one copy of K and V) and
+compacts (another): on the CPU that makes the batched step memory-bound for large B*H_kv*n_kept
+(benchmarks/keyformer_update.py); on the H200 the fused eviction of 32 x 8192 x 128 fp16 rows takes
+~0.26 ms (benchmarks/keyformer_gpu.py).
 """
 
 from __future__ import annotations
@@ -94,13 +101,17 @@ class Keyformer(Method):
         check(_is_int(self.n_sink) and self.n_sink >= 0, f"{n}.n_sink", "an int >= 0", self.n_sink)
         for field in ("tau_init", "tau_end"):
             value = getattr(self, field)
-            check(_is_real(value) and value >= 0 and value == value and value != float("inf"), f"{n}.{field}", "a finite number >= 0", value)
+            finite = _is_real(value) and value == value and value != float("inf")
+            check(finite and value >= 0, f"{n}.{field}", "a finite number >= 0", value)
         check(
             (self.tau_init == 0) == (self.tau_end == 0),
             f"{n}.tau_end", f"0 together with tau_init=0 (H2O) or > 0 together with tau_init > 0 (tau_init={self.tau_init})",
             self.tau_end,
         )
-        check(_is_int(self.anneal_steps) and self.anneal_steps >= 1, f"{n}.anneal_steps", "an int >= 1 (generated tokens)", self.anneal_steps)
+        check(
+            _is_int(self.anneal_steps) and self.anneal_steps >= 1,
+            f"{n}.anneal_steps", "an int >= 1 (generated tokens)", self.anneal_steps,
+        )
         check(self.score in SCORES, f"{n}.score", f"one of {SCORES}", self.score)
         check(self.noise in NOISES, f"{n}.noise", f"one of {NOISES}", self.noise)
         check(self.positions in POSITION_MODES, f"{n}.positions", f"one of {POSITION_MODES}", self.positions)
@@ -162,7 +173,9 @@ def _mix(x: mx.array) -> mx.array:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: int, layer: int, rows: mx.array, query_positions: mx.array | None, key_positions: mx.array) -> mx.array:
+def gumbel_noise(
+    seed: int, layer: int, rows: mx.array, query_positions: mx.array | None, key_positions: mx.array
+) -> mx.array:
     """Gumbel(0, 1) noise [R, L, n] (or [R, 1, n] when query_positions is None: frozen noise).
 
     rows [R] (b * H_kv + h), query_positions [L] true positions of the query steps, key_positions
@@ -234,7 +247,8 @@ class KeyformerCache(CompressedCache):
         B, H, S, D = keys.shape
         self.batch = B
         new_positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (B * H, S))
-        self._append(keys.reshape(B * H, S, D), values.reshape(B * H, S, D), mx.zeros((B * H, S), mx.float32), new_positions)
+        R = B * H
+        self._append(keys.reshape(R, S, D), values.reshape(R, S, D), mx.zeros((R, S), mx.float32), new_positions)
         self.position += S
         self._unscored = S
         self.offset = self.position if self.config.positions == "exact" else self.tokens_kept
@@ -318,7 +332,8 @@ class KeyformerCache(CompressedCache):
             logits = None
             if cfg.score == "attention":
                 logits = mx.where(_causal(stop - start, stop), self._logits(q, keys_seen, self.scale), -mx.inf)
-            probs = None if logits is None else mx.softmax(logits, axis=-1, precise=True)
+            # plain attention probabilities are needed only for H2O's score (no output here)
+            probs = mx.softmax(logits, axis=-1, precise=True) if cfg.score == "attention" and cfg.tau_init == 0 else None
             inc = self._increments(logits, probs, keys_seen, mx.arange(start, stop, dtype=mx.int32), self.scale)
             scores = scores + mx.pad(inc, ((0, 0), (0, T - stop)))
             mx.eval(scores)
@@ -345,7 +360,9 @@ class KeyformerCache(CompressedCache):
         R, n, _ = keys.shape
         rep = n_q // (R // B)
         q = queries.astype(mx.float32).reshape(R, rep * L, D) * scale
-        return (q @ keys.astype(mx.float32).swapaxes(1, 2)).reshape(R, rep, L, n)
+        # keys @ q^T transposes only the small query block, never the [n, D] keys
+        logits = keys.astype(mx.float32) @ q.swapaxes(1, 2)  # [R, n, rep * L]
+        return logits.swapaxes(1, 2).reshape(R, rep, L, n)
 
     def _rows(self, R):
         return mx.arange(R, dtype=mx.uint32)

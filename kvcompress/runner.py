@@ -15,6 +15,7 @@ others go on.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -221,6 +222,8 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         start = time.perf_counter()
         caches = derive_cache(model, method, ref.prefilled)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
+        # the free-running answer starts from the same compressed prompt: copy it, do not re-derive
+        answer_caches = copy.deepcopy(caches) if ref.continuation is None else None
         for s in range(ref.steps):
             check_deadline(deadline)
             t0 = time.perf_counter()
@@ -247,7 +250,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
             row["prediction"] = None
         else:
             eos = set(tokenizer.eos_token_ids)
-            answer = free_running(model, derive_cache(model, method, ref.prefilled), ref.tokens[0],
+            answer = free_running(model, answer_caches, ref.tokens[0],
                                   datasets.max_answer_tokens(sample), eos, deadline)
             row["prediction"] = tokenizer.decode(answer)
             row["score"] = datasets.score(sample, row["prediction"])

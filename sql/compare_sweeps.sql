@@ -24,29 +24,8 @@ chosen_pair AS (
            sweep_b
     FROM chosen
 ),
-cells AS (
-    SELECT sweep_id, method, budget, bits, tau_init, tau_end, dataset, task, context_tokens,
-           any_value(config_label) AS config_label,
-           count(*) AS runs,
-           avg(score) AS score_mean,
-           min(score) >= 0 AND max(score) <= 1 AS score_in_unit_range,
-           avg(score_full) AS score_full_mean,
-           avg(kl_mean) AS kl_mean,
-           avg(top1_agree) AS top1_agree,
-           avg(live_kv_bytes) AS live_kv_bytes,
-           avg(decode_tok_s) AS decode_tok_s
-    FROM run_scores
-    WHERE sweep_id IN (SELECT sweep_a FROM chosen_pair UNION ALL SELECT sweep_b FROM chosen_pair)
-    GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, dataset, task, context_tokens
-),
-with_ci AS (
-    SELECT *,
-           CASE WHEN score_in_unit_range THEN wilson_low(score_mean, runs) END AS score_ci_low,
-           CASE WHEN score_in_unit_range THEN wilson_high(score_mean, runs) END AS score_ci_high
-    FROM cells
-),
-side_a AS (SELECT * FROM with_ci WHERE sweep_id = (SELECT sweep_a FROM chosen_pair)),
-side_b AS (SELECT * FROM with_ci WHERE sweep_id = (SELECT sweep_b FROM chosen_pair))
+side_a AS (SELECT * FROM config_scores WHERE sweep_id = (SELECT sweep_a FROM chosen_pair)),
+side_b AS (SELECT * FROM config_scores WHERE sweep_id = (SELECT sweep_b FROM chosen_pair))
 SELECT (SELECT sweep_a FROM chosen_pair) AS sweep_a,
        (SELECT sweep_b FROM chosen_pair) AS sweep_b,
        coalesce(a.method, b.method) AS method,

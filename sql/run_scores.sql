@@ -58,3 +58,27 @@ SELECT o.*,
                            || coalesce(printf('%g', o.tau_end), '-') END) AS config_label
 FROM ok_runs AS o
 LEFT JOIN full_cache_scores AS f USING (sweep_id, model, dataset, task, context_tokens, sample_id);
+
+-- config_scores: one row per sweep x config x dataset x task x context length, the aggregation
+-- summary.sql and compare_sweeps.sql share. The Wilson interval only where every score is in [0, 1].
+CREATE OR REPLACE VIEW config_scores AS
+WITH cells AS (
+    SELECT sweep_id, method, budget, bits, tau_init, tau_end, dataset, task, context_tokens,
+           any_value(config_label) AS config_label,
+           count(*) AS runs,
+           avg(score) AS score_mean,
+           min(score) >= 0 AND max(score) <= 1 AS score_in_unit_range,
+           avg(score_full) AS score_full_mean,
+           avg(score - score_full) AS score_vs_full,
+           avg(kl_mean) AS kl_mean,
+           avg(top1_agree) AS top1_agree,
+           avg(live_kv_bytes) AS live_kv_bytes,
+           avg(kv_ratio_to_full) AS kv_ratio_to_full,
+           avg(decode_tok_s) AS decode_tok_s
+    FROM run_scores
+    GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, dataset, task, context_tokens
+)
+SELECT *,
+       CASE WHEN score_in_unit_range THEN wilson_low(score_mean, runs) END AS score_ci_low,
+       CASE WHEN score_in_unit_range THEN wilson_high(score_mean, runs) END AS score_ci_high
+FROM cells;

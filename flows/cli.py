@@ -25,7 +25,8 @@ def cmd_sweep(args) -> int:
     from flows.sweep import sweep
     from tasks.report import render_reports
 
-    sweep(grid=args.grid, results=args.results, sweep_id=args.sweep_id)
+    sweep(grid=args.grid, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
+          shard_timeout_s=args.shard_timeout)
     print(render_reports(args.results))
     return 0
 
@@ -57,6 +58,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--results", default=None, help=results_help)
     s.add_argument("--sweep-id", default=None, help="name of this set of results (default: the grid's name)")
     s.add_argument("--dry-run", action="store_true", help="print the expanded grid and a cost estimate")
+    s.add_argument("--distribute", action="store_true",
+                   help="submit shards to the sweep-shard/shard deployment (needs a server and shard workers)")
+    s.add_argument("--shard-timeout", type=float, default=6 * 3600,
+                   help="with --distribute: seconds to wait for the shards before failing (default 6 h)")
     s.set_defaults(func=cmd_sweep)
 
     r = sub.add_parser("report", help="print the DuckDB reports over the results")

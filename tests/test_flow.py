@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -153,3 +154,52 @@ def test_two_shard_workers_split_a_sweep_with_results_identical_to_inline(deploy
              for log in logs]
     assert all(taken) and set.union(*taken) == {r.name for r in shard_runs}  # both workers took shards
     assert not set.intersection(*taken)  # and no shard ran twice
+
+
+def test_sigkilled_shard_worker_then_rerun_leaves_every_run_exactly_once(deployed, tmp_path):
+    """Kill a real shard worker (and the flow run it started) mid-sweep; the rerun completes it."""
+    env = {**deployed, "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(json.dumps({
+        "name": "killed", "decode_steps": 2,
+        "datasets": [{"name": "passkey", "context_tokens": [256], "num_samples": 3}],
+        "methods": [{"name": "full"}, {"name": "streaming", "grid": {"budget": [64]}}],
+    }))
+    results = tmp_path / "results"
+    sweep_cmd = [sys.executable, "-m", "flows.cli", "sweep", str(grid), "--results", str(results),
+                 "--distribute", "--shard-timeout", "30"]
+
+    def start_worker(name: str) -> subprocess.Popen:
+        log = tmp_path / f"{name}.log"
+        worker = subprocess.Popen([*PREFECT, "worker", "start", "--pool", "kvcompress-shards", "--limit", "1",
+                                   "--name", name], cwd=ROOT, env=env, start_new_session=True,
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while "started" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        return worker
+
+    first = start_worker("doomed")
+    parent = subprocess.Popen(sweep_cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not list(results.glob("runs/**/*.parquet")):
+        assert time.monotonic() < deadline and parent.poll() is None, "no run finished"
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # the worker and the shard flow run it is executing
+    first.wait()
+    assert parent.wait(timeout=180) != 0  # its shards never finished: the sweep fails, loses nothing
+    partial = len(list(results.glob("runs/**/*.parquet")))
+    assert 1 <= partial < 6
+
+    second = start_worker("survivor")
+    try:
+        done = subprocess.run(sweep_cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        os.killpg(second.pid, signal.SIGTERM)
+        second.wait(timeout=30)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = read_table(results, "runs")
+    assert len(runs) == 6 and len({r["run_id"] for r in runs}) == 6  # every run exactly once
+    steps = read_table(results, "steps")
+    assert sorted((s["run_id"], s["step"]) for s in steps) == sorted((r["run_id"], i) for r in runs for i in range(2))

@@ -19,8 +19,11 @@ apt_install() {  # install Debian packages when we can (root + apt); otherwise s
 
 if [[ "$(uname -s)" == Linux ]]; then
   # The mlx-cpu wheel's bundled reference BLAS is ~40x slower than OpenBLAS (kvcompress/_blas.py).
-  ldconfig -p 2>/dev/null | grep -q libopenblas.so.0 || apt_install libopenblas0-pthread
-  if $with_test_tools && [ ! -x /usr/bin/chromium ]; then apt_install chromium; fi
+  ldconfig -p 2>/dev/null | grep -q libopenblas.so.0 ||
+    apt_install libopenblas0-pthread || echo "setup: OpenBLAS not installed: MLX matmuls will be ~40x slower" >&2
+  if $with_test_tools && [ ! -x /usr/bin/chromium ]; then
+    apt_install chromium || echo "setup: Chromium not installed: the HTML screenshot test will skip" >&2
+  fi
 fi
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"

@@ -135,8 +135,8 @@ def score_vs_compression_png(pareto: tuple[list[str], list[tuple]]) -> bytes:
     fig, panels = _panels(records)
     for ax, title, cell in panels:
         for method in sorted({r["method"] for r in cell}):
-            points = sorted((1.0 / r["kv_ratio_to_full"], r) for r in cell
-                            if r["method"] == method and r["kv_ratio_to_full"])
+            points = sorted(((1.0 / r["kv_ratio_to_full"], r) for r in cell
+                             if r["method"] == method and r["kv_ratio_to_full"]), key=lambda p: p[0])
             xs = [x for x, _ in points]
             ys = [r["score_mean"] for _, r in points]
             low = [r["score_mean"] - r["score_ci_low"] if r["score_ci_low"] is not None else 0.0 for _, r in points]
@@ -159,7 +159,7 @@ def degradation_png(degradation: tuple[list[str], list[tuple]]) -> bytes:
     labels = sorted({r["config_label"] for r in records})
     styles = ["-", "--", ":", "-."]
     for i, label in enumerate(labels):
-        line = sorted((r["step"], r) for r in records if r["config_label"] == label)
+        line = sorted(((r["step"], r) for r in records if r["config_label"] == label), key=lambda p: p[0])
         method = line[0][1]["method"]
         style = dict(color=colors[method], linestyle=styles[i % len(styles)], marker=".", label=label)
         kl_ax.plot([s for s, _ in line], [r["kl_mean"] for _, r in line], **style)

@@ -373,3 +373,18 @@ def test_write_html_names_the_bad_sweep_or_empty_root(fixture_results, tmp_path)
     with pytest.raises(ConfigError, match="results: expected a results root with finished runs"):
         write_html(str(tmp_path / "empty"), str(tmp_path / "r.html"))
     assert not (tmp_path / "r.html").exists()
+
+
+def test_html_report_handles_configs_tied_on_compression_ratio(tmp_path):
+    """Two keyformer tau schedules at the same budget share a ratio (the default sweep has them)."""
+    from kvcompress.results import write_run as write
+    from tasks.html_report import write_html as html
+    from tests.test_results import make_run, make_steps
+
+    root = str(tmp_path / "results")
+    for rid, tau_end in (("k1", 1.0), ("k2", 2.0)):
+        write(root, "tie", "keyformer", make_run(rid, "keyformer", 1.0, 500, budget=0.5, tau_init=1.0, tau_end=tau_end),
+              make_steps(rid, [0.1, 0.2], [True, True]))
+    write(root, "tie", "full", make_run("f", "full", 1.0, 1000), make_steps("f", [0.0, 0.0], [True, True]))
+    page = html(root, str(tmp_path / "report.html")).read_text()
+    assert page.count("<img") == 3

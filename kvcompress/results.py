@@ -115,10 +115,3 @@ def finished_run_ids(root: str, sweep_id: str) -> set[str]:
         for info in fs.get_file_info(selector)
         if info.is_file and info.base_name.endswith(".parquet") and not info.base_name.startswith(".")
     }
-
-
-def parquet_glob(root: str, table: str) -> str:
-    """The glob DuckDB reads a table from."""
-    _, base = _filesystem(root)
-    prefix = root.split("://")[0] + "://" if "://" in root else ""
-    return f"{prefix}{base}/{table}/**/*.parquet"

@@ -46,6 +46,7 @@ RUNS_SCHEMA = pa.schema(
         ("peak_memory_bytes", pa.int64()),
         ("decode_steps", pa.int64()),
         ("prediction", pa.string()),
+        ("config_label", pa.string()),  # method + non-default parameters: what reports group by
         ("config", pa.string()),  # JSON of the full run configuration (what run_id hashes)
         ("created_at", pa.timestamp("us", tz="UTC")),
     ]

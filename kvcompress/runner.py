@@ -212,6 +212,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         "error": None,
         "full_kv_bytes": ref.full_kv_bytes,
         "decode_steps": ref.steps,
+        "config_label": method.label(),
         "config": json.dumps(config, sort_keys=True),
         "created_at": datetime.now(timezone.utc),
     }

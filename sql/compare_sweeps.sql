@@ -58,6 +58,7 @@ FULL OUTER JOIN side_b AS b
     AND a.bits IS NOT DISTINCT FROM b.bits
     AND a.tau_init IS NOT DISTINCT FROM b.tau_init
     AND a.tau_end IS NOT DISTINCT FROM b.tau_end
+    AND a.config_label = b.config_label
     AND a.dataset = b.dataset AND a.task = b.task AND a.context_tokens = b.context_tokens
 ORDER BY dataset, task, context_tokens, method, budget NULLS FIRST, bits NULLS FIRST,
          tau_init NULLS FIRST, tau_end NULLS FIRST;

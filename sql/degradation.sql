@@ -19,8 +19,8 @@ SELECT sweep_id, method, budget, bits, tau_init, tau_end, step,
        avg(logit_cosine) AS logit_cosine_mean,
        avg(tokens_kept) AS tokens_kept_mean,
        avg(live_kv_bytes) AS live_kv_bytes_mean,
-       any_value(config_label) AS config_label
+       config_label
 FROM run_steps
-GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, step
+GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, config_label, step
 ORDER BY sweep_id, method, budget NULLS FIRST, bits NULLS FIRST, tau_init NULLS FIRST,
          tau_end NULLS FIRST, step;

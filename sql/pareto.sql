@@ -6,7 +6,7 @@
 -- dominate neither way, so both stay on the front. Needs views.sql and run_scores.sql.
 WITH config_points AS MATERIALIZED (  -- once: point_id must be the same in every reference
     SELECT sweep_id, dataset, context_tokens, method, budget, bits, tau_init, tau_end,
-           any_value(config_label) AS config_label,
+           config_label,
            count(*) AS runs,
            avg(score) AS score_mean,
            min(score) >= 0 AND max(score) <= 1 AS score_in_unit_range,
@@ -15,7 +15,7 @@ WITH config_points AS MATERIALIZED (  -- once: point_id must be the same in ever
            avg(kv_ratio_to_full) AS kv_ratio_to_full,
            row_number() OVER () AS point_id  -- a config's exact identity within this query
     FROM run_scores
-    GROUP BY sweep_id, dataset, context_tokens, method, budget, bits, tau_init, tau_end
+    GROUP BY sweep_id, dataset, context_tokens, method, budget, bits, tau_init, tau_end, config_label
 ),
 dominance AS (
     SELECT p.point_id, count(q.point_id) AS dominated_by

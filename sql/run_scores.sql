@@ -47,15 +47,16 @@ full_cache_scores AS (
     WHERE method = 'full'
     GROUP BY ALL
 )
-SELECT o.*,
+SELECT o.* EXCLUDE (config_label),
        f.score_full,
        o.live_kv_bytes / nullif(o.full_kv_bytes, 0) AS kv_ratio_to_full,
-       concat_ws(' ', o.method,
-                 'budget=' || printf('%g', o.budget),
-                 'bits=' || printf('%g', o.bits),
-                 CASE WHEN o.tau_init IS NOT NULL OR o.tau_end IS NOT NULL
-                      THEN 'tau=' || coalesce(printf('%g', o.tau_init), '-') || '..'
-                           || coalesce(printf('%g', o.tau_end), '-') END) AS config_label
+       coalesce(o.config_label,  -- written by the runner; rebuilt from the grid columns otherwise
+                concat_ws(' ', o.method,
+                          'budget=' || printf('%g', o.budget),
+                          'bits=' || printf('%g', o.bits),
+                          CASE WHEN o.tau_init IS NOT NULL OR o.tau_end IS NOT NULL
+                               THEN 'tau=' || coalesce(printf('%g', o.tau_init), '-') || '..'
+                                    || coalesce(printf('%g', o.tau_end), '-') END)) AS config_label
 FROM ok_runs AS o
 LEFT JOIN full_cache_scores AS f USING (sweep_id, model, dataset, task, context_tokens, sample_id);
 
@@ -64,7 +65,7 @@ LEFT JOIN full_cache_scores AS f USING (sweep_id, model, dataset, task, context_
 CREATE OR REPLACE VIEW config_scores AS
 WITH cells AS (
     SELECT sweep_id, method, budget, bits, tau_init, tau_end, dataset, task, context_tokens,
-           any_value(config_label) AS config_label,
+           config_label,
            count(*) AS runs,
            avg(score) AS score_mean,
            min(score) >= 0 AND max(score) <= 1 AS score_in_unit_range,
@@ -76,7 +77,7 @@ WITH cells AS (
            avg(kv_ratio_to_full) AS kv_ratio_to_full,
            avg(decode_tok_s) AS decode_tok_s
     FROM run_scores
-    GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, dataset, task, context_tokens
+    GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, config_label, dataset, task, context_tokens
 )
 SELECT *,
        CASE WHEN score_in_unit_range THEN wilson_low(score_mean, runs) END AS score_ci_low,

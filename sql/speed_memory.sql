@@ -14,7 +14,7 @@ WITH step_times AS (
 ),
 cells AS (
     SELECT r.sweep_id, r.method, r.budget, r.bits, r.tau_init, r.tau_end, r.dataset, r.context_tokens,
-           any_value(r.config_label) AS config_label,
+           r.config_label,
            count(*) AS runs,
            flatten(list(t.step_ms_list)) AS step_ms_all,
            avg(r.prefill_s) AS prefill_s_mean,
@@ -25,7 +25,7 @@ cells AS (
            max(r.peak_memory_bytes) AS peak_memory_bytes_max
     FROM run_scores AS r
     LEFT JOIN step_times AS t USING (sweep_id, run_id)
-    GROUP BY r.sweep_id, r.method, r.budget, r.bits, r.tau_init, r.tau_end, r.dataset, r.context_tokens
+    GROUP BY r.sweep_id, r.method, r.budget, r.bits, r.tau_init, r.tau_end, r.config_label, r.dataset, r.context_tokens
 )
 SELECT sweep_id, method, budget, bits, tau_init, tau_end, dataset, context_tokens, runs,
        list_aggregate(step_ms_all, 'quantile_cont', 0.5) AS decode_ms_p50,

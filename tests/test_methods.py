@@ -42,6 +42,10 @@ def test_run_id_json_is_canonical():
     b = method_config("streaming", n_sink=2, budget=64)
     assert a.to_json() == b.to_json() == '{"budget": 64, "n_sink": 2, "name": "streaming"}'
     assert a.grid_columns() == {"budget": 64.0, "bits": None, "tau_init": None, "tau_end": None}
+    # reports group by the label: configs that differ only outside the grid columns stay apart
+    assert a.label() == "streaming budget=64 n_sink=2"
+    assert method_config("mlx-quant").label() == "mlx-quant bits=4"
+    assert method_config("full").label() == "full"
 
 
 def test_streaming_keeps_sinks_and_recent_window_at_true_positions():

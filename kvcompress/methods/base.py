@@ -66,6 +66,23 @@ class Method:
         values = {c: getattr(self, c, None) for c in self.GRID_COLUMNS}
         return {c: None if v is None else float(v) for c, v in values.items()}
 
+    def label(self) -> str:
+        """Readable identity that reports group by: the name, the budget/bits/tau knobs the method
+        has, then every other parameter that differs from its default
+        ("keyformer budget=0.5 tau=1.0..2.0 score=proxy")."""
+        values = self.params()
+        parts = [self.name]
+        parts += [f"{k}={values[k]}" for k in ("budget", "bits") if k in values]
+        if values.get("tau_init") or values.get("tau_end"):
+            parts.append(f"tau={values['tau_init']}..{values['tau_end']}")
+        shown = {"budget", "bits", "tau_init", "tau_end"}
+        parts += [
+            f"{f.name}={values[f.name]}"
+            for f in fields(self)
+            if f.name not in shown and (f.default is dataclasses.MISSING or values[f.name] != f.default)
+        ]
+        return " ".join(parts)
+
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

@@ -81,15 +81,21 @@ def run_config(context: RunContext, sample: dict, method: Method) -> dict[str, A
 
 
 class RecordingKVCache(KVCache):
-    """A full KVCache that also keeps the post-RoPE queries it attends with (for `from_prefill`)."""
+    """A full KVCache that keeps the post-RoPE queries of the prompt (for `from_prefill`)."""
 
     def __init__(self):
         super().__init__()
-        self.queries: list[mx.array] = []
+        self.chunks: list[mx.array] = []  # [B, H_q, chunk, D] per prefill chunk
+        self.prompt_queries: mx.array | None = None  # [B, H_q, T, D] once the prompt is done
 
     def attention(self, queries, keys, values, scale, mask):
-        self.queries.append(queries)
+        if self.prompt_queries is None:  # decode steps after the prompt are not recorded
+            self.chunks.append(queries)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    def finish_prompt(self) -> None:
+        self.prompt_queries = mx.concatenate(self.chunks, axis=2)
+        self.chunks = []
 
 
 def prefill(model, prompt: list[int], record_queries: bool) -> tuple[list, mx.array, float]:
@@ -101,6 +107,9 @@ def prefill(model, prompt: list[int], record_queries: bool) -> tuple[list, mx.ar
     for begin in range(0, len(prompt), PREFILL_CHUNK):
         logits = model(tokens[:, begin : begin + PREFILL_CHUNK], cache=caches)
         mx.eval(logits, [c.state for c in caches])
+    if record_queries:
+        for cache in caches:
+            cache.finish_prompt()
     return caches, logits[0, -1], time.perf_counter() - start
 
 
@@ -109,7 +118,7 @@ def derive_cache(model, method: Method, prefilled: list) -> list:
     caches = method.make_cache(model)
     for cache, full in zip(caches, prefilled):
         keys, values = full.keys_and_values()  # [B, H_kv, T, D]
-        queries = mx.concatenate(full.queries, axis=2) if method.needs_queries else None
+        queries = full.prompt_queries if method.needs_queries else None
         if hasattr(cache, "from_prefill"):
             cache.from_prefill(keys, values, queries)
         else:  # an mlx-lm cache: the prompt's keys and values go in as one update

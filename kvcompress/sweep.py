@@ -165,35 +165,38 @@ def _as_tuple(value) -> tuple:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
+def _mapping(d: Any, allowed: set[str], where: str, named: bool = True) -> dict:
+    """`d` as a mapping with only `allowed` keys (and a `name` when `named`), else a SweepError."""
+    if not isinstance(d, dict):
+        raise SweepError([f"{where}: expected a mapping, got {d!r}"])
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise SweepError([f"{where}.{unknown[0]}: unknown key; allowed: {sorted(allowed)}"])
+    if named and "name" not in d:
+        raise SweepError([f"{where}.name: required"])
+    return d
+
+
 def parse_spec(data: dict[str, Any]) -> SweepSpec:
     """Build a spec from a mapping, rejecting unknown keys with their allowed names."""
-    def known(d: dict, allowed: set[str], where: str) -> dict:
-        if not isinstance(d, dict):
-            raise SweepError([f"{where}: expected a mapping, got {d!r}"])
-        unknown = sorted(set(d) - allowed)
-        if unknown:
-            raise SweepError([f"{where}.{unknown[0]}: unknown key; allowed: {sorted(allowed)}"])
-        return d
-
-    top = known(data, {"name", "model", "decode_steps", "run_timeout_s", "datasets", "methods"}, "sweep")
-    dataset_axes = tuple(
-        DatasetAxis(
+    top = _mapping(data, {"name", "model", "decode_steps", "run_timeout_s", "datasets", "methods"}, "sweep",
+                   named=False)
+    dataset_axes = []
+    for i, raw in enumerate(top.get("datasets") or []):
+        d = _mapping(raw, {"name", "params", "context_tokens", "num_samples", "seed"}, f"datasets[{i}]")
+        dataset_axes.append(DatasetAxis(
             name=d["name"], params=dict(d.get("params") or {}),
             context_tokens=_as_tuple(d.get("context_tokens", 1024)),
             num_samples=d.get("num_samples", 1), seed=d.get("seed", 0),
-        )
-        for i, d in enumerate(top.get("datasets") or [])
-        if known(d, {"name", "params", "context_tokens", "num_samples", "seed"}, f"datasets[{i}]")
-    )
-    method_axes = tuple(
-        MethodAxis(name=m["name"], params=dict(m.get("params") or {}),
-                   grid={k: list(_as_tuple(v)) for k, v in (m.get("grid") or {}).items()})
-        for i, m in enumerate(top.get("methods") or [])
-        if known(m, {"name", "params", "grid"}, f"methods[{i}]")
-    )
+        ))
+    method_axes = []
+    for i, raw in enumerate(top.get("methods") or []):
+        m = _mapping(raw, {"name", "params", "grid"}, f"methods[{i}]")
+        method_axes.append(MethodAxis(name=m["name"], params=dict(m.get("params") or {}),
+                                      grid={k: list(_as_tuple(v)) for k, v in (m.get("grid") or {}).items()}))
     return SweepSpec(name=str(top.get("name", "sweep")), model=top.get("model", "smollm2-135m"),
                      decode_steps=top.get("decode_steps", 32), run_timeout_s=top.get("run_timeout_s", 1800.0),
-                     datasets=dataset_axes, methods=method_axes)
+                     datasets=tuple(dataset_axes), methods=tuple(method_axes))
 
 
 def load_spec(source: str | dict[str, Any]) -> SweepSpec:

@@ -45,3 +45,17 @@ def test_a_run_past_its_timeout_is_recorded_and_the_shard_goes_on(embedded):
     assert ok.run["status"] == "timeout"  # recorded too: the shard went on to it
     generous = run_sample(model, tokenizer, sample, methods[:1], context_for("passkey", params, 2, timeout=600))
     assert generous[0].run["status"] == "ok" and len(generous[0].steps) == 2
+
+
+def test_prefill_records_exactly_the_prompt_queries_for_methods_that_score_with_them(embedded):
+    from kvcompress.runner import reference
+
+    model, tokenizer = embedded
+    params = {"context_tokens": 256, "num_samples": 1, "seed": 0}
+    sample = load_dataset("passkey", tokenizer=tokenizer, **params)[0]
+    ref = reference(model, tokenizer, sample, [method_config("keyformer", budget=64)], decode_steps=3)
+    layer = ref.prefilled[0]
+    assert layer.prompt_queries.shape == (1, 9, len(ref.prompt), 64)  # decode steps are not recorded
+    assert layer.offset == len(ref.prompt)  # the reference decode did not leak into the prefill
+    plain = reference(model, tokenizer, sample, [method_config("full")], decode_steps=3)
+    assert not hasattr(plain.prefilled[0], "prompt_queries")

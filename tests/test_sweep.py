@@ -59,6 +59,8 @@ def test_every_invalid_cell_is_reported_at_once():
 def test_unknown_keys_and_grid_names_are_rejected():
     with pytest.raises(SweepError, match=r"sweep.metods: unknown key"):
         load_spec({**GRID, "metods": []})
+    with pytest.raises(SweepError, match=r"methods\[1\].name: required"):
+        load_spec({**GRID, "methods": [{"name": "full"}, {"grid": {"bits": [4]}}]})
     with pytest.raises(SweepError, match="one of .*default.*smoke"):
         load_spec("no-such-grid")
 

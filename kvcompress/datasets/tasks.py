@@ -147,7 +147,11 @@ TASKS: dict[str, Task] = {
     # ~25 tokens for one value, four values as a list
     "niah_multivalue": Task("niah_multivalue", _NIAH_MANY, _ruler, 64),  # measured: ~60 tokens
     "niah_multiquery": Task("niah_multiquery", _NIAH_MANY, _ruler, 80),  # the four keys are echoed: ~75
-    "passkey": Task("passkey", _PASSKEY, _passkey, 16),  # "The pass key is 12345." is 11 tokens
+    # Raw text, as Landmark feeds it: a chat template would put the question in a user turn and the
+    # model answers it as a chat turn ("The pass key is a magical key that ..."), breaking the
+    # completion cue "The pass key is". Landmark generates as many tokens as the key has (5 digits,
+    # one token each for this tokenizer); 8 leave room for a leading space and the full stop.
+    "passkey": Task("passkey", _PASSKEY, _passkey, 8, chat=False),
     "lm": Task("lm", "{context}", None, 0, chat=False),
     # generic tasks for `hf` datasets mapped by column
     "qa": Task(

@@ -5,6 +5,8 @@ str), context_tokens (model tokens of `prompt_tokens(sample)`), metadata (JSON).
 
 - "niah"      RULER needle-in-a-haystack on the Paul Graham essays (variant single / multikey /
               multivalue / multiquery), embedded and seeded;
+- "ruler"     the RULER synthetic suite (`task=` one name or a list: niah_single_1/2/3,
+              niah_multikey_1/2/3, niah_multivalue, niah_multiquery, vt, cwe, fwe), embedded and seeded;
 - "passkey"   Landmark-attention passkey retrieval, embedded and seeded;
 - "lm"        language modelling on the essays (teacher-forced NLL of a continuation);
 - "longbench" LongBench v1 English subsets (hub Parquet conversion, or local `data_files`);
@@ -20,18 +22,20 @@ import json
 from typing import Any
 
 from ..methods.base import ConfigError
-from .base import DatasetConfig, encode_prompt, prompt_tokens, unknown_params
+from .base import DatasetConfig, Prompt, encode_prompt, prompt_tokens, sample_prompt, unknown_params
 from .hf import DatasetUnavailable, HFDataset
 from .lm import LanguageModelling
 from .longbench import LongBench
 from .niah import Niah
 from .passkey import Passkey
+from .ruler import OFFLINE_TASKS as RULER_TASKS
+from .ruler import Ruler
 from .tasks import LONGBENCH_SUBSETS, TASKS, Task, score, task_of
 
 DEFAULT_CONTINUATION_TOKENS = LanguageModelling.continuation_tokens
 
 DATASETS: dict[str, type[DatasetConfig]] = {
-    cls.name: cls for cls in (Niah, Passkey, LanguageModelling, LongBench, HFDataset)
+    cls.name: cls for cls in (Niah, Ruler, Passkey, LanguageModelling, LongBench, HFDataset)
 }
 
 
@@ -77,7 +81,7 @@ def max_answer_tokens(sample: dict) -> int:
 
 
 __all__ = [
-    "DATASETS", "LONGBENCH_SUBSETS", "TASKS", "DatasetConfig", "DatasetUnavailable", "Task", "dataset_config",
+    "DATASETS", "LONGBENCH_SUBSETS", "RULER_TASKS", "Prompt", "sample_prompt", "TASKS", "DatasetConfig", "DatasetUnavailable", "Task", "dataset_config",
     "dataset_params", "encode_prompt", "load_dataset", "max_answer_tokens", "prompt_tokens", "reference_tokens",
     "score", "validate",
 ]

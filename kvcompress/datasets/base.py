@@ -97,18 +97,84 @@ def _ids(encoded) -> list[int]:
     return [int(t) for t in encoded]
 
 
-def encode_prompt(tokenizer, task_name: str, context: str, question: str) -> list[int]:
-    """Model tokens of a task's prompt: the filled template, in the chat template where it applies."""
+@dataclass(frozen=True)
+class Prompt:
+    """A sample's prompt in model tokens, split where the question part starts.
+
+    `tokens[:question_start]` is the instruction and context (what a query-agnostic protocol
+    compresses before any question is seen); `tokens[question_start:]` is the question, the chat
+    template's generation prompt and the answer prefix. The two parts are encoded separately and
+    concatenated, so both protocols feed exactly the same tokens. `evidence` holds [start, end)
+    token spans of the sample's evidence (needles, chain assignments, the pass key line).
+    """
+
+    tokens: list[int]
+    question_start: int
+    evidence: list[tuple[int, int]]
+
+
+def _hf(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def render_prompt(tokenizer, task_name: str, context: str, question: str, answer_prefix: str = "",
+                  few_shot: str = "") -> tuple[str, int, int]:
+    """(prompt text, character where `context` starts, character where the question part starts).
+
+    The user text is `few_shot` + newline (when given) + the task template filled in; chat tasks
+    wrap it in the chat template with its generation prompt; `answer_prefix` follows last, as
+    RULER appends it after the model template.
+    """
     task = task_of({"task": task_name})
-    text = task.template.format(context=context, question=question)
+    user = task.template.format(context=context, question=question)
+    before_context = task.template[:task.template.index("{context}")].format(question=question)
+    if few_shot:
+        user, before_context = few_shot + "\n" + user, few_shot + "\n" + before_context
+    text = user
     if task.chat and getattr(tokenizer, "chat_template", None):
-        return _ids(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-    return _ids(tokenizer.encode(text))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                             tokenize=False)
+    offset = text.index(user)
+    context_start = offset + len(before_context)
+    return text + answer_prefix, context_start, context_start + len(context)
+
+
+def build_prompt(tokenizer, task_name: str, context: str, question: str, answer_prefix: str = "",
+                 few_shot: str = "", evidence_chars: list | None = None) -> Prompt:
+    """Model tokens of a task's prompt, its question split and evidence spans (characters of
+    `context` -> prompt tokens)."""
+    task = task_of({"task": task_name})
+    text, context_start, split = render_prompt(tokenizer, task_name, context, question, answer_prefix, few_shot)
+    hf = _hf(tokenizer)
+    raw = not (task.chat and getattr(tokenizer, "chat_template", None))  # raw text gets the tokenizer's BOS, if any
+    head = hf(text[:split], add_special_tokens=raw, return_offsets_mapping=bool(evidence_chars))
+    tail = _ids(hf.encode(text[split:], add_special_tokens=False)) if split < len(text) else []
+    head_ids = _ids(head["input_ids"])
+    spans = []
+    for start, end in evidence_chars or []:
+        first, last = context_start + start, context_start + end
+        covered = [i for i, (a, b) in enumerate(head["offset_mapping"]) if b > first and a < last and b > a]
+        spans.append((covered[0], covered[-1] + 1))
+    return Prompt(head_ids + tail, len(head_ids), spans)
+
+
+def encode_prompt(tokenizer, task_name: str, context: str, question: str, answer_prefix: str = "",
+                  few_shot: str = "") -> list[int]:
+    """Model tokens of a task's prompt (see `build_prompt`)."""
+    return build_prompt(tokenizer, task_name, context, question, answer_prefix, few_shot).tokens
+
+
+def sample_prompt(sample: dict, tokenizer) -> Prompt:
+    """The exact prompt the runner feeds the model for `sample`, with its split and evidence."""
+    meta = json.loads(sample.get("metadata") or "{}")
+    return build_prompt(tokenizer, sample["task"], sample["context"], sample["question"],
+                        meta.get("answer_prefix", ""), meta.get("few_shot", ""), meta.get("evidence_chars"))
 
 
 def prompt_tokens(sample: dict, tokenizer) -> list[int]:
     """The exact prompt the runner feeds the model for `sample`."""
-    return encode_prompt(tokenizer, sample["task"], sample["context"], sample["question"])
+    return sample_prompt(sample, tokenizer).tokens
 
 
 def fit_largest(measure: Callable[[int], int], target: int, upper: int) -> int:

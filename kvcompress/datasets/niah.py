@@ -10,7 +10,8 @@ Needles read "One of the special magic numbers for {key} is: {value}." with adje
 
 As in RULER, needles are shuffled and their depths drawn without replacement from 40 evenly spaced
 depths (0 ... 1). `depth` pins the first needle of the first asked key to that depth (the others
-keep their drawn depths). Two departures from RULER: a needle at depth d goes to the sentence
+keep their drawn depths). The prompt ends with RULER's answer prefix ("The special magic number for
+KEY mentioned in the provided text is") after the chat template's generation prompt. Two departures from RULER: a needle at depth d goes to the sentence
 boundary nearest to a fraction d of the haystack's characters (RULER's int(d * sentences) drifts
 from d when sentence lengths vary; the original needle test also measures depth along the text),
 and each sample's window starts at a seeded sentence (RULER starts every sample at the first
@@ -58,6 +59,17 @@ _NOUNS = (
 KEYS = tuple(sorted({f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS}))
 
 
+def niah_question(query: str, one: bool, kind: str = "numbers") -> tuple[str, str]:
+    """(question, answer prefix) of RULER's niah template (scripts/data/synthetic/constants.py),
+    with its one-value rewrite ("are all" -> "is", "numbers" -> "number") where one value is asked."""
+    if one:
+        kind = kind[:-1]
+        return (f"What is the special magic {kind} for {query} mentioned in the provided text?",
+                f" The special magic {kind} for {query} mentioned in the provided text is")
+    return (f"What are all the special magic {kind} for {query} mentioned in the provided text?",
+            f" The special magic {kind} for {query} mentioned in the provided text are")
+
+
 @dataclass(frozen=True)
 class Niah(DatasetConfig):
     """RULER needle-in-a-haystack: variant, prompt length in model tokens, needle depth."""
@@ -103,12 +115,9 @@ class Niah(DatasetConfig):
         start = rng.choice(essays.sentence_starts())
 
         texts = [NEEDLE.format(key=keys[k], value=value) for k, value in needles]
-        if num_asked * values_per_key == 1:
-            question = f"What is the special magic number for {keys[asked[0]]} mentioned in the provided text?"
-        else:
-            names = [keys[k] for k in asked]
-            query = ", ".join(names[:-1]) + ", and " + names[-1] if len(names) > 1 else names[0]
-            question = f"What are all the special magic numbers for {query} mentioned in the provided text?"
+        names = [keys[k] for k in asked]
+        query = ", ".join(names[:-1]) + ", and " + names[-1] if len(names) > 1 else names[0]
+        question, answer_prefix = niah_question(query, one=num_asked * values_per_key == 1)
 
         def build(num_words: int) -> tuple[str, list[int]]:
             """(context, character offset of each needle) for a window of num_words words."""
@@ -129,11 +138,11 @@ class Niah(DatasetConfig):
             return " ".join(text for text, _ in pieces), offsets
 
         def measure(num_words: int) -> int:
-            return len(encode_prompt(tokenizer, self.task, build(num_words)[0], question))
+            return len(encode_prompt(tokenizer, self.task, build(num_words)[0], question, answer_prefix))
 
         num_words = fit_largest(measure, self.context_tokens, upper=min(self.context_tokens, len(essays.words())))
         context, offsets = build(num_words)
-        prompt_length = len(encode_prompt(tokenizer, self.task, context, question))
+        prompt_length = len(encode_prompt(tokenizer, self.task, context, question, answer_prefix))
         placed = sorted(range(len(texts)), key=lambda j: offsets[j])
         depth_label = "rand" if self.depth is None else f"{float(self.depth):g}"
         return {
@@ -150,6 +159,8 @@ class Niah(DatasetConfig):
                 needles=[texts[j] for j in placed],
                 needle_depths=[depths[j] for j in placed],
                 needle_chars=[offsets[j] for j in placed],
+                evidence_chars=[[offsets[j], offsets[j] + len(texts[j])] for j in placed],
+                answer_prefix=answer_prefix,
                 haystack_words=num_words,
                 start_word=start,
                 seed=self.seed,

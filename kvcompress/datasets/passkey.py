@@ -71,6 +71,7 @@ class Passkey(DatasetConfig):
             "context_tokens": len(encode_prompt(tokenizer, "passkey", context, QUESTION)),
             "metadata": metadata_json(
                 passkey=key, depth=depth, key_char=context.index(line), filler_sentences=sentences,
+                evidence_chars=[[context.index(line), context.index(line) + len(line)]],
                 seed=self.seed, index=index,
             ),
         }

@@ -2,7 +2,7 @@
 
 - RULER (Hsieh et al. 2024, "RULER: What's the real context size of your long-context language
   models?"), `scripts/eval/synthetic/constants.py`: `string_match_all`, the fraction of reference
-  strings contained in the prediction, case-insensitively.
+  strings contained in the prediction, case-insensitively; `string_match_part` (qa): 1 when any is.
 - Passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attention"): exact match of the key, read as
   the first integer of the prediction.
 - LongBench (Bai et al. 2023), `metrics.py`: `qa_f1` (SQuAD token F1 after LongBench's
@@ -26,6 +26,13 @@ def string_match_all(prediction: str, answers: list[str]) -> float:
         return 0.0
     found = prediction.lower()
     return sum(answer.lower() in found for answer in answers) / len(answers)
+
+
+def string_match_part(prediction: str, answers: list[str]) -> float:
+    """RULER's string_match_part (qa tasks): 1.0 when any of `answers` occurs in `prediction`
+    (case-insensitive), else 0.0."""
+    found = prediction.lower()
+    return float(any(answer.lower() in found for answer in answers))
 
 
 def passkey_match(prediction: str, passkey: str) -> float:

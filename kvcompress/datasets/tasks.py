@@ -37,6 +37,10 @@ def _ruler(prediction: str, answers: list[str], metadata: dict) -> float:
     return scorers.string_match_all(prediction, answers)
 
 
+def _ruler_part(prediction: str, answers: list[str], metadata: dict) -> float:
+    return scorers.string_match_part(prediction, answers)
+
+
 def _passkey(prediction: str, answers: list[str], metadata: dict) -> float:
     return scorers.passkey_match(prediction, answers[0])
 
@@ -56,6 +60,31 @@ _NIAH_MANY = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the numbers afterwards.\n{context}\n{question}"
 )
+# RULER's task templates (scripts/data/synthetic/constants.py) with {query} moved into {question}:
+# the question part is what a query-agnostic protocol feeds after compressing the context.
+_NIAH_UUID_ONE = _NIAH_ONE.replace("number", "uuid")
+_RULER: dict[str, tuple[str, int]] = {
+    "niah_single_1": (_NIAH_ONE, 128),
+    "niah_single_2": (_NIAH_ONE, 128),
+    "niah_single_3": (_NIAH_UUID_ONE, 128),
+    "niah_multikey_1": (_NIAH_ONE, 128),
+    "niah_multikey_2": (_NIAH_ONE, 128),
+    "niah_multikey_3": (_NIAH_UUID_ONE, 128),
+    "niah_multivalue": (_NIAH_MANY, 128),
+    "niah_multiquery": (_NIAH_MANY, 128),
+    "vt": ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+           "{question}", 30),
+    "cwe": ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+            "ones that appear most often.\n{context}\n{question}", 120),
+    "fwe": ("Read the following coded text and track the frequency of each coded word. Find the three most "
+            "frequently appeared coded words. {context}\n{question}", 50),
+}
+_RULER_QA = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other "
+    "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
+    "documents. Only give me the answer and do not output any other words.\n\n{question}"
+)
+
 # Landmark attention's passkey prompt (run_test.py): task description, filler with the key, question.
 _PASSKEY = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -141,16 +170,13 @@ _LONGBENCH_RAW = {"trec", "triviaqa", "samsum", "lcc", "repobench-p"}  # pred.py
 _LONGBENCH_FIRST_LINE = {"trec", "triviaqa", "samsum"}  # eval.py: prediction.split("\n")[0]
 
 TASKS: dict[str, Task] = {
-    "niah_single": Task("niah_single", _NIAH_ONE, _ruler, 32),
-    "niah_multikey": Task("niah_multikey", _NIAH_ONE, _ruler, 32),
-    # SmolLM2 answers "The special magic number(s) for KEY ... is/are: ..." with one token per digit:
-    # ~25 tokens for one value, four values as a list
-    "niah_multivalue": Task("niah_multivalue", _NIAH_MANY, _ruler, 64),  # measured: ~60 tokens
-    "niah_multiquery": Task("niah_multiquery", _NIAH_MANY, _ruler, 80),  # the four keys are echoed: ~75
-    # Raw text, as Landmark feeds it: a chat template would put the question in a user turn and the
-    # model answers it as a chat turn ("The pass key is a magical key that ..."), breaking the
-    # completion cue "The pass key is". Landmark generates as many tokens as the key has (5 digits,
-    # one token each for this tokenizer); 8 leave room for a leading space and the full stop.
+    # RULER's niah budget (tokens_to_generate 128); the answer prefix puts the value first
+    **{name: Task(name, _NIAH_ONE if name in ("niah_single", "niah_multikey") else _NIAH_MANY, _ruler, 128)
+       for name in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")},
+    # The RULER synthetic suite (scripts/synthetic.yaml), budgets from its constants.py
+    **{name: Task(name, template, _ruler, budget) for name, (template, budget) in _RULER.items()},
+    "qa_1": Task("qa_1", _RULER_QA, _ruler_part, 32),
+    "qa_2": Task("qa_2", _RULER_QA, _ruler_part, 32),
     "passkey": Task("passkey", _PASSKEY, _passkey, 8, chat=False),
     "lm": Task("lm", "{context}", None, 0, chat=False),
     # generic tasks for `hf` datasets mapped by column

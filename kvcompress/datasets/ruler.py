@@ -1,0 +1,327 @@
+"""The RULER synthetic suite (Hsieh et al. 2024, "RULER: What's the real context size of your
+long-context language models?"), generated offline in model tokens.
+
+Tasks, as RULER's scripts/synthetic.yaml configures them:
+
+- niah_single_1/2/3: one needle in repeated noise / the essays / the essays with UUID values;
+- niah_multikey_1/2/3: the needle among 3 distractor needles / among a haystack made of needles
+  (numbers) / among a haystack of needles with UUID keys and values;
+- niah_multivalue: one key with 4 values; niah_multiquery: 4 keys asked at once;
+- vt: variable tracking, one chain of 4 hops in noise, with one in-context example;
+- cwe: common words extraction (10 common words x6 among words seen once; one example);
+- fwe: frequent words extraction (coded words drawn from a zeta(2) distribution);
+- qa_1 / qa_2 (SQuAD / HotpotQA) are not generated here: they need hub data (see `ruler_qa.py`).
+
+Every prompt is the RULER task template (constants.py) as one chat user turn, then the chat
+template's generation prompt, then RULER's answer prefix; the whole prompt plus the task's answer
+budget (`tokens_to_generate`) fits `context_tokens`, as RULER sizes it (binary search on the
+haystack). Scores: `string_match_all`. Each sample records the character spans of its evidence
+(needles, chain assignments) in `metadata.evidence_chars`, turned into prompt token spans by
+`build_prompt`. Departures from RULER's generator are listed in the README (Datasets).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import string
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from ..methods.base import check
+from . import essays
+from .base import DatasetConfig, encode_prompt, fit_largest, metadata_json, resolve_tokenizer, to_dataset
+from .niah import DEPTHS, KEYS, niah_question
+from .tasks import TASKS
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+# task -> (haystack, key type, value type, keys, values per key, keys asked)
+NIAH: dict[str, tuple[str, str, str, int, int, int]] = {
+    "niah_single_1": ("noise", "words", "numbers", 1, 1, 1),
+    "niah_single_2": ("essay", "words", "numbers", 1, 1, 1),
+    "niah_single_3": ("essay", "words", "uuids", 1, 1, 1),
+    "niah_multikey_1": ("essay", "words", "numbers", 4, 1, 1),
+    "niah_multikey_2": ("needle", "words", "numbers", 1, 1, 1),
+    "niah_multikey_3": ("needle", "uuids", "uuids", 1, 1, 1),
+    "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1),
+    "niah_multiquery": ("essay", "words", "numbers", 4, 1, 4),
+}
+OFFLINE_TASKS = (*NIAH, "vt", "cwe", "fwe")
+
+VT_HOPS = 4
+VT_EXAMPLE_TOKENS = 500  # RULER builds its in-context example with max_seq_length=500
+CWE_COMMON, CWE_REPEATS, CWE_EXAMPLE_WORDS = 10, 6, 20  # RULER's values below 4096 tokens
+FWE_ALPHA, FWE_WORD_LEN = 2.0, 6
+
+
+def answer_budget(task: str) -> int:
+    return TASKS[task].max_answer_tokens
+
+
+def random_value(rng: random.Random, kind: str) -> str:
+    """RULER's needle keys and values: adjective-noun words, 7-digit numbers or UUID4 strings."""
+    if kind == "numbers":
+        return str(rng.randint(10**6, 10**7 - 1))
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    return rng.choice(KEYS)
+
+
+def join_tracked(pieces: list[tuple[str, bool]], sep: str) -> tuple[str, list[list[int]]]:
+    """(text, [start, end) character span of each evidence piece) of pieces joined by `sep`."""
+    spans, position = [], 0
+    for text, evidence in pieces:
+        if evidence:
+            spans.append([position, position + len(text)])
+        position += len(text) + len(sep)
+    return sep.join(text for text, _ in pieces), spans
+
+
+def insert_at_fractions(lines: list[tuple[str, bool]], needles: list[str], fractions: list[float]) -> None:
+    """Insert needles between `lines` at seeded fractions of their count (RULER draws the indices
+    uniformly; drawing fractions once keeps a sample's layout the same while the haystack is sized)."""
+    count = len(lines)
+    for index, needle in sorted(zip((int(f * count) for f in fractions), needles), key=lambda p: -p[0]):
+        lines.insert(index, (needle, True))
+
+
+@dataclass
+class Built:
+    """One sample at one haystack size: what `build_prompt` needs, plus metadata."""
+
+    context: str
+    question: str
+    answers: list[str]
+    answer_prefix: str
+    evidence_chars: list[list[int]]
+    few_shot: str = ""
+    info: dict[str, Any] | None = None
+
+
+def niah(task: str, rng: random.Random, tag: str) -> tuple[Callable[[int], Built], int]:
+    """RULER niah.py: needles "One of the special magic {numbers|uuids} for KEY is: VALUE." in a
+    haystack of noise sentences, essay sentences or distractor needles."""
+    haystack, key_kind, value_kind, num_keys, values_per_key, num_asked = NIAH[task]
+    keys: list[str] = []
+    while len(keys) < num_keys:
+        key = random_value(rng, key_kind)
+        keys += [key] if key not in keys else []
+    values = [[random_value(rng, value_kind) for _ in range(values_per_key)] for _ in keys]
+    needles = [f"One of the special magic {value_kind} for {key} is: {value}."
+               for key, vs in zip(keys, values) for value in vs]
+    rng.shuffle(needles)
+    asked = rng.sample(range(num_keys), num_asked)
+    names = [keys[k] for k in asked]
+    query = ", ".join(names[:-1]) + ", and " + names[-1] if len(names) > 1 else names[0]
+    question, answer_prefix = niah_question(query, one=num_asked * values_per_key == 1, kind=value_kind)
+    answers = [value for k in asked for value in values[k]]
+    if haystack == "essay":
+        depths = rng.sample(DEPTHS, len(needles))
+        start = rng.choice(essays.sentence_starts())
+    else:
+        fractions = [rng.random() for _ in needles]
+
+    def distractor(i: int) -> str:
+        line_rng = random.Random(f"{tag}:distractor:{i}")
+        key = random_value(line_rng, key_kind)
+        while key in keys:  # a distractor never carries an asked key (RULER does not check)
+            key = random_value(line_rng, key_kind)
+        return f"One of the special magic {value_kind} for {key} is: {random_value(line_rng, value_kind)}."
+
+    def build(size: int) -> Built:
+        if haystack == "essay":  # size = words of the essay window; needles between sentences
+            sents = essays.sentences(essays.window(start, size))
+            slots = sorted(int(len(sents) * d) for d in depths)  # RULER: int(len(sents) * depth)
+            pieces, cursor = [], 0
+            for slot, needle in zip(slots, needles):
+                pieces += [(s, False) for s in sents[cursor:slot]] + [(needle, True)]
+                cursor = slot
+            pieces += [(s, False) for s in sents[cursor:]]
+            context, spans = join_tracked(pieces, " ")
+        else:  # size = haystack lines, joined by newlines
+            lines = [(NOISE if haystack == "noise" else distractor(i), False) for i in range(size)]
+            insert_at_fractions(lines, needles, fractions)
+            context, spans = join_tracked(lines, "\n")
+        return Built(context, question, answers, answer_prefix, spans,
+                     info={"keys": keys, "asked": names, "needles": needles, "haystack": haystack})
+
+    return build, 10**9
+
+
+def vt_chain(rng: random.Random) -> tuple[list[str], str, list[str]]:
+    """(variable names, value, assignment lines) of one chain (RULER variable_tracking.py)."""
+    names: list[str] = []
+    while len(names) < VT_HOPS + 1:
+        name = "".join(rng.choices(string.ascii_uppercase, k=5))
+        names += [name] if name not in names else []
+    value = str(rng.randint(10000, 99999))
+    lines = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(VT_HOPS)]
+    return names, value, lines
+
+
+def vt_text(names, value, lines, fractions, size) -> tuple[str, str, str, list[list[int]]]:
+    """(context, question, answer prefix, evidence spans): the chain in `size` noise lines."""
+    noise = [(NOISE, False) for _ in range(size)]
+    for j, index in enumerate(sorted(int(f * size) for f in fractions)):
+        noise.insert(index + j, (lines[j], True))  # RULER inserts at sorted positions + j
+    context, spans = join_tracked(noise, "\n")
+    question = f"Question: Find all variables that are assigned the value {value} in the text above."
+    prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, {VT_HOPS + 1} "
+              f"variables are assigned the value {value}, they are: ")
+    return context, question, prefix, spans
+
+
+def vt(task: str, rng: random.Random, tag: str, tokenizer) -> tuple[Callable[[int], Built], int]:
+    """RULER variable_tracking.py: one 4-hop chain in noise, after one solved example of ~500 tokens."""
+    example_chain = vt_chain(rng)
+    example_fractions = [rng.random() for _ in range(VT_HOPS + 1)]
+    names, value, lines = vt_chain(rng)
+    fractions = [rng.random() for _ in range(VT_HOPS + 1)]
+    template = TASKS["vt"].template
+
+    def example(size: int) -> str:
+        context, question, prefix, _ = vt_text(*example_chain, example_fractions, size)
+        return template.format(context=context, question=question) + prefix + " " + " ".join(example_chain[0]) + "\n"
+
+    def example_tokens(size: int) -> int:
+        return len(tokenizer.encode(example(size), add_special_tokens=False))
+
+    few_shot = example(fit_largest(example_tokens, VT_EXAMPLE_TOKENS, upper=VT_EXAMPLE_TOKENS))
+
+    def build(size: int) -> Built:
+        context, question, prefix, spans = vt_text(names, value, lines, fractions, size)
+        return Built(context, question, list(names), prefix, spans, few_shot, info={"chain": lines})
+
+    return build, 10**9
+
+
+@functools.lru_cache(maxsize=1)
+def essay_vocabulary() -> tuple[str, ...]:
+    """Distinct lower-case alphabetic words of the essays (3-12 letters, punctuation around them
+    stripped): the word pool of cwe (RULER draws from wonderwords' noun, adjective and verb lists)."""
+    stripped = (x.strip(".,;:!?\"'()[]") for x in essays.words())
+    return tuple(sorted({w for w in stripped if w.isalpha() and w.islower() and w.isascii() and 3 <= len(w) <= 12}))
+
+
+def cwe_list(words: list[str], repeats: int, shuffle_seed: str) -> tuple[str, list[str]]:
+    """(numbered list "1. w 2. w ...", common words): the first 10 words `repeats` times, the rest once."""
+    common, rare = words[:CWE_COMMON], words[CWE_COMMON:]
+    items = common * repeats + rare
+    random.Random(shuffle_seed).shuffle(items)
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(items)), common
+
+
+def cwe(task: str, rng: random.Random, tag: str) -> tuple[Callable[[int], Built], int]:
+    """RULER common_words_extraction.py below 4096 tokens: one example of 20 words (10 common x3),
+    then the list with 10 common words x6 and every other word once."""
+    pool = essay_vocabulary()
+    order = rng.sample(pool, len(pool))
+    example_words = rng.sample(pool, CWE_EXAMPLE_WORDS)
+    template = TASKS["cwe"].template
+    question = "Question: What are the 10 most common words in the above list?"
+    prefix = " Answer: The top 10 words that appear most often in the list are:"
+    example_context, example_common = cwe_list(example_words, 3, f"{tag}:example")
+    few_shot = (template.format(context=example_context, question=question) + prefix + " "
+                + " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_common)))
+
+    def build(size: int) -> Built:
+        context, common = cwe_list(order[:CWE_COMMON + size], CWE_REPEATS, f"{tag}:list")
+        return Built(context, question, common, prefix, [], few_shot)
+
+    return build, len(pool) - CWE_COMMON
+
+
+def zeta(alpha: float) -> float:
+    """Riemann zeta for alpha > 1: partial sum plus the Euler-Maclaurin tail."""
+    n = 10_000
+    return sum(k ** -alpha for k in range(1, n)) + n ** (1 - alpha) / (alpha - 1) + 0.5 * n ** -alpha
+
+
+def fwe(task: str, rng: random.Random, tag: str, context_tokens: int) -> tuple[Callable[[int], Built], int]:
+    """RULER freq_words_extraction.py: coded 6-letter words with zeta(2) counts; the most frequent
+    is replaced by '...' (noise), the next three are the answer."""
+    vocab_size = (context_tokens - answer_budget("fwe")) // 50
+    vocab: list[str] = []
+    while len(vocab) < vocab_size:
+        word = "".join(rng.choices(string.ascii_lowercase, k=FWE_WORD_LEN))
+        vocab += [word] if word not in vocab else []
+    vocab.sort()
+    rng.shuffle(vocab)
+    vocab[0] = "..."
+    question = ("Question: Do not provide any explanation. Please ignore the dots '....'. What are the three most "
+                "frequently appeared words in the above coded text?")
+    prefix = " Answer: According to the coded text above, the three most frequently appeared words are:"
+    z = zeta(FWE_ALPHA)
+
+    def build(size: int) -> Built:
+        words = [w for k, w in enumerate(vocab, start=1) for _ in range(int(size * k ** -FWE_ALPHA / z))]
+        random.Random(f"{tag}:shuffle").shuffle(words)
+        return Built(" ".join(words), question, vocab[1:4], prefix, [])
+
+    return build, 10**9
+
+
+@dataclass(frozen=True)
+class Ruler(DatasetConfig):
+    """RULER synthetic tasks (one name or a list; default all offline ones), sized in model tokens."""
+
+    name: ClassVar[str] = "ruler"
+    task: str | list[str] | tuple[str, ...] = OFFLINE_TASKS
+    context_tokens: int = 1024
+    num_samples: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        names = [self.task] if isinstance(self.task, str) else self.task
+        ok = isinstance(names, (list, tuple)) and len(names) > 0 and all(n in OFFLINE_TASKS for n in names)
+        check(ok, "task", f"one of {list(OFFLINE_TASKS)} or a non-empty list of them "
+              "(qa_1/qa_2 need hub data: dataset 'ruler_qa')", self.task)
+        super().__post_init__()
+        self.check_num_samples(allow_all=False)
+        if "vt" in names:  # its in-context example alone takes ~500 tokens
+            check(self.context_tokens >= 1024, "context_tokens", "at least 1024 when task includes 'vt'",
+                  self.context_tokens)
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return (self.task,) if isinstance(self.task, str) else tuple(self.task)
+
+    def load(self, tokenizer=None):
+        tokenizer = resolve_tokenizer(tokenizer)
+        return to_dataset([self.sample(task, i, tokenizer) for task in self.tasks for i in range(self.num_samples)])
+
+    def sample(self, task: str, index: int, tokenizer) -> dict:
+        tag = f"ruler:{task}:{self.seed}:{index}"
+        rng = random.Random(tag)
+        if task in NIAH:
+            build, upper = niah(task, rng, tag)
+        elif task == "vt":
+            build, upper = vt(task, rng, tag, tokenizer)
+        elif task == "cwe":
+            build, upper = cwe(task, rng, tag)
+        else:
+            build, upper = fwe(task, rng, tag, self.context_tokens)
+        budget = answer_budget(task)
+
+        def measure(size: int) -> int:  # RULER: prompt + tokens_to_generate <= max_seq_length
+            b = build(size)
+            return len(encode_prompt(tokenizer, task, b.context, b.question, b.answer_prefix, b.few_shot)) + budget
+
+        if NIAH.get(task, ("",))[0] == "essay":
+            upper = len(essays.words())
+        size = fit_largest(measure, self.context_tokens, upper=min(upper, self.context_tokens))
+        b = build(size)
+        return {
+            "id": f"{task}-{self.context_tokens}-s{self.seed}-{index}",
+            "task": task,
+            "context": b.context,
+            "question": b.question,
+            "answers": b.answers,
+            "context_tokens": measure(size) - budget,
+            "metadata": metadata_json(
+                answer_prefix=b.answer_prefix, few_shot=b.few_shot, evidence_chars=b.evidence_chars,
+                haystack_size=size, answer_budget=budget, seed=self.seed, index=index, **(b.info or {}),
+            ),
+        }

@@ -38,12 +38,19 @@ def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int, swe
                          run_timeout_s)
     finished = finished_run_ids(results, sweep_id)
     methods = shard_methods(shard)
-    todo = [m for m in methods if run_id(run_config(context, sample, m)) not in finished]
+    protocols = tuple(shard.get("protocols") or ("query_aware",))
+
+    def pending(method, protocol) -> bool:
+        return run_id(run_config(context, sample, method, protocol)) not in finished
+
+    todo = [(m, p) for p in protocols for m in methods if pending(m, p)]
     failed = 0
     if todo:
         records = run_sample(
-            model, tokenizer, sample, todo, context,
-            on_record=lambda r: write_run(results, sweep_id, r.method, r.run, r.steps),
+            model, tokenizer, sample, [m for m in methods if any(m is t for t, _ in todo)], context,
+            on_record=lambda r: write_run(results, sweep_id, r.method, r.run, r.steps, r.evidence),
+            protocols=tuple(p for p in protocols if any(q == p for _, q in todo)), pending=pending,
         )
         failed = sum(r.run["status"] != "ok" for r in records)
-    return {"skipped": len(methods) - len(todo), "ran": len(todo), "failed": failed}
+    total = len(methods) * len(protocols)
+    return {"skipped": total - len(todo), "ran": len(todo), "failed": failed}

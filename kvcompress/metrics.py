@@ -6,7 +6,7 @@ import mlx.core as mx
 
 
 def step_metrics(ref_logits: mx.array, logits: mx.array, ref_token: int) -> dict[str, float]:
-    """KL(P_full || P_method), logit cosine, NLL of the reference token and top-1 agreement.
+    """KL(P_full || P_method), logit cosine, NLL of the reference token, both argmax tokens.
 
     ref_logits, logits: [V] (any float dtype; computed in float32).
     """
@@ -17,11 +17,12 @@ def step_metrics(ref_logits: mx.array, logits: mx.array, ref_token: int) -> dict
     kl = mx.sum(mx.exp(ref_logp) * (ref_logp - logp))
     cosine = mx.sum(ref * out) / (mx.linalg.norm(ref) * mx.linalg.norm(out))
     nll = -logp[ref_token]
-    token = mx.argmax(out)
-    mx.eval(kl, cosine, nll, token)
+    token, ref_argmax = mx.argmax(out), mx.argmax(ref)
+    mx.eval(kl, cosine, nll, token, ref_argmax)
     return {
         "kl": max(kl.item(), 0.0),  # exact KL is >= 0; float rounding can give -1e-9
         "logit_cosine": cosine.item(),
         "nll": nll.item(),
         "token": int(token.item()),
+        "ref_argmax": int(ref_argmax.item()),  # the full cache's own top-1 token
     }

@@ -2,6 +2,7 @@
 
     {root}/runs/sweep_id={sweep}/method={method}/{run_id}.parquet    one row per run
     {root}/steps/sweep_id={sweep}/method={method}/{run_id}.parquet   one row per decode step
+    {root}/evidence/sweep_id={sweep}/method={method}/{run_id}.parquet  per layer and stage
 
 `sweep_id` and `method` live in the directory names only (DuckDB's `hive_partitioning` turns
 them into columns and prunes on them). A run is finished when its `runs` file exists: the steps
@@ -29,6 +30,7 @@ RUNS_SCHEMA = pa.schema(
         ("dataset", pa.string()),
         ("task", pa.string()),
         ("sample_id", pa.string()),
+        ("protocol", pa.string()),  # query_aware | query_agnostic
         ("context_tokens", pa.int64()),  # the configured context length (the grouping key)
         ("prompt_tokens", pa.int64()),  # tokens actually fed to the model
         ("budget", pa.float64()),  # as configured: tokens, or a fraction of the prompt
@@ -43,8 +45,10 @@ RUNS_SCHEMA = pa.schema(
         ("live_kv_bytes", pa.int64()),  # resident KV bytes after the last decode step
         ("full_kv_bytes", pa.int64()),  # the full cache's, same tokens
         ("tokens_kept", pa.int64()),
-        ("peak_memory_bytes", pa.int64()),
-        ("decode_steps", pa.int64()),
+        ("peak_memory_bytes", pa.int64()),  # MLX peak during the run: weights and shared caches included
+        ("method_peak_bytes", pa.int64()),  # the method's own peak above the run's shared baseline
+        ("decode_steps", pa.int64()),  # teacher-forced steps: the reference answer's tokens
+        ("reference_cut", pa.bool_()),  # decode_steps stopped the reference before EOS / the budget
         ("prediction", pa.string()),
         ("config_label", pa.string()),  # method + non-default parameters: what reports group by
         ("config", pa.string()),  # JSON of the full run configuration (what run_id hashes)
@@ -59,7 +63,9 @@ STEPS_SCHEMA = pa.schema(
         ("position", pa.int64()),  # sequence position of the token fed at this step
         ("ref_token", pa.int64()),  # the full cache's next token (or the dataset's, for lm)
         ("token", pa.int64()),  # this method's argmax
-        ("top1_agree", pa.bool_()),
+        ("full_token", pa.int64()),  # the full cache's argmax
+        ("top1_agree", pa.bool_()),  # token == full_token: agreement with the full cache
+        ("top1_text", pa.bool_()),  # token == ref_token: accuracy against the reference (lm: the text)
         ("kl", pa.float64()),  # KL(full || method), nats
         ("logit_cosine", pa.float64()),
         ("nll", pa.float64()),  # -log p_method(ref_token)
@@ -69,7 +75,19 @@ STEPS_SCHEMA = pa.schema(
     ]
 )
 
-TABLES = {"runs": RUNS_SCHEMA, "steps": STEPS_SCHEMA}
+EVIDENCE_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("layer", pa.int64()),
+        ("stage", pa.string()),  # compressed (after the prompt) | final (after the reference answer)
+        ("kept_min", pa.float64()),  # fraction of evidence tokens held, min over KV heads
+        ("kept_mean", pa.float64()),  # ... mean over KV heads
+        ("key_rel_err", pa.float64()),  # ||K_held - K|| / ||K|| over held evidence tokens
+        ("value_rel_err", pa.float64()),
+    ]
+)
+
+TABLES = {"runs": RUNS_SCHEMA, "steps": STEPS_SCHEMA, "evidence": EVIDENCE_SCHEMA}
 
 
 def run_id(config: dict[str, Any]) -> str:
@@ -100,9 +118,10 @@ def write_table(root: str, relative_dir: str, name: str, table: pa.Table) -> str
     return final
 
 
-def write_run(root: str, sweep_id: str, method: str, run: dict[str, Any], steps: list[dict[str, Any]]) -> None:
-    """Write one run's steps, then its runs row (the row marks the run finished)."""
-    for table, rows in (("steps", steps), ("runs", [run])):
+def write_run(root: str, sweep_id: str, method: str, run: dict[str, Any], steps: list[dict[str, Any]],
+              evidence: list[dict[str, Any]] | None = None) -> None:
+    """Write one run's steps and evidence, then its runs row (the row marks the run finished)."""
+    for table, rows in (("steps", steps), ("evidence", evidence or []), ("runs", [run])):
         partition = f"{table}/sweep_id={sweep_id}/method={method}"
         write_table(root, partition, run["run_id"], pa.Table.from_pylist(rows, schema=TABLES[table]))
 

@@ -1,13 +1,20 @@
 """Run one dataset sample through every method of a shard, sharing one full-cache prefill.
 
 For one sample:
-1. prefill the prompt once with full mlx-lm caches, recording each layer's post-RoPE queries when
-   a method scores with them (Keyformer);
-2. decode `decode_steps` tokens with the full cache: greedy for QA tasks, the dataset's own
-   continuation for language modelling. These are the reference tokens and distributions;
-3. per method: derive its cache from the prefill (compress after prefill, as Keyformer and KIVI
-   do), decode teacher-forced on the reference tokens recording per-step KL, top-1 agreement, NLL
-   and resident bytes; then derive again and decode free-running for the task answer.
+1. prefill the prompt once with full mlx-lm caches, in two parts: the context part (instruction and
+   context) and the question part (question, generation prompt, answer prefix), keeping a copy of
+   the context-only caches when a query-agnostic run needs them; record each layer's post-RoPE
+   queries when a method scores with them (Keyformer);
+2. decode the reference answer with the full cache until EOS or the task's answer budget (greedy
+   for QA tasks, the dataset's own continuation for language modelling), capped by `decode_steps`
+   when set (a warning says when the cap cuts an answer). These are the reference tokens
+   y_0..y_n and the distributions that predicted them;
+3. per protocol and method: derive the method's cache (compress after prefill, as Keyformer and
+   KIVI do). `query_aware` compresses the whole prompt; `query_agnostic` compresses the context
+   part only and then feeds the question part through the compressed cache, as NVIDIA kvpress
+   and the RULER-4k leaderboard do. Decode teacher-forced on the reference tokens recording per
+   step KL, top-1 agreement, NLL and resident bytes for every answer token y_0..y_n; then decode
+   free-running from a copy of the same compressed cache for the task answer.
 
 A method that raises or produces non-finite logits is recorded with its status and error; the
 others go on.
@@ -21,7 +28,8 @@ import json
 import math
 import time
 import traceback
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -35,6 +43,7 @@ from .metrics import step_metrics
 from .results import run_id
 
 PREFILL_CHUNK = 2048  # as mlx-lm's generate: bounds the attention matrix of a long prompt
+PROTOCOLS = ("query_aware", "query_agnostic")
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,7 @@ class RunContext:
     model_fingerprint: str
     dataset: str
     dataset_params: str  # canonical JSON
-    decode_steps: int = 32
+    decode_steps: int | None = None  # cap on the reference answer (None: EOS or the task's budget)
     run_timeout_s: float | None = None  # per method run; does not change results, so not in run ids
 
 
@@ -58,6 +67,7 @@ class RunRecord:
     run: dict[str, Any]  # a row of the `runs` table (without sweep_id / method partition keys)
     steps: list[dict[str, Any]]
     method: str
+    evidence: list[dict[str, Any]] = field(default_factory=list)  # rows of the `evidence` table
 
 
 def sample_fingerprint(sample: dict) -> str:
@@ -66,7 +76,7 @@ def sample_fingerprint(sample: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def run_config(context: RunContext, sample: dict, method: Method) -> dict[str, Any]:
+def run_config(context: RunContext, sample: dict, method: Method, protocol: str = "query_aware") -> dict[str, Any]:
     """The full configuration of one run: what its id hashes and its `config` column holds."""
     return {
         "model": context.model,
@@ -77,6 +87,7 @@ def run_config(context: RunContext, sample: dict, method: Method) -> dict[str, A
         "sample_fingerprint": sample_fingerprint(sample),
         "method": json.loads(method.to_json()),
         "decode_steps": context.decode_steps,
+        "protocol": protocol,
     }
 
 
@@ -98,32 +109,47 @@ class RecordingKVCache(KVCache):
         self.chunks = []
 
 
-def prefill(model, prompt: list[int], record_queries: bool) -> tuple[list, mx.array, float]:
-    """Full-attention prefill in chunks: (caches, last-position logits [V], seconds)."""
+def prefill(model, prompt: list[int], record_queries: bool, split: int | None = None):
+    """Full-attention prefill in chunks that break at `split`.
+
+    Returns (caches, last-position logits [V], seconds, context): `context` is, when `split` is
+    given, each layer's (keys, values) after the first `split` tokens and the logits [V] at
+    position split - 1 (None when split is 0), else None.
+    """
     attention.install()
     caches = [RecordingKVCache() if record_queries else KVCache() for _ in model.layers]
     tokens = mx.array(prompt)[None]
+    bounds = sorted({0, len(prompt), *range(0, len(prompt), PREFILL_CHUNK), *([split] if split else [])})
+    context, logits = None, None
     start = time.perf_counter()
-    for begin in range(0, len(prompt), PREFILL_CHUNK):
-        logits = model(tokens[:, begin : begin + PREFILL_CHUNK], cache=caches)
+    for begin, end in zip(bounds, bounds[1:]):
+        logits = model(tokens[:, begin:end], cache=caches)
         mx.eval(logits, [c.state for c in caches])
+        if end == split:
+            context = ([c.keys_and_values() for c in caches], logits[0, -1])
+            mx.eval(context)
+    if split == 0:
+        context = ([None] * len(caches), None)
     if record_queries:
         for cache in caches:
             cache.finish_prompt()
-    return caches, logits[0, -1], time.perf_counter() - start
+    return caches, logits[0, -1], time.perf_counter() - start, context
 
 
-def derive_cache(model, method: Method, prefilled: list) -> list:
-    """Build `method`'s cache and compress the finished prefill into it."""
+def derive_cache(model, method: Method, kv: list, queries: list | None) -> list:
+    """Build `method`'s cache and compress finished full-attention keys/values into it.
+
+    kv: per layer (keys, values) [B, H_kv, T, D]; queries: per layer [B, H_q, T, D] or None.
+    """
     caches = method.make_cache(model)
-    for cache, full in zip(caches, prefilled):
-        keys, values = full.keys_and_values()  # [B, H_kv, T, D]
-        queries = full.prompt_queries if method.needs_queries else None
+    for i, (cache, (keys, values)) in enumerate(zip(caches, kv)):
+        if keys is None:  # nothing to compress (an empty context part)
+            continue
         if hasattr(cache, "from_prefill"):
-            cache.from_prefill(keys, values, queries)
-        else:  # an mlx-lm cache: the prompt's keys and values go in as one update
+            cache.from_prefill(keys, values, queries[i] if method.needs_queries else None)
+        else:  # an mlx-lm cache: the keys and values go in as one update
             cache.update_and_fetch(keys, values)
-    mx.eval([c.state for c in caches])
+    mx.eval([c.state for c in caches if not c.empty()])
     return caches
 
 
@@ -133,15 +159,25 @@ def decode_step(model, token: int, caches: list) -> mx.array:
     return logits
 
 
-def reference_decode(model, caches: list, first_logits: mx.array, continuation: list[int] | None, steps: int):
-    """Full-cache decode: reference tokens y_0..y_steps and the distributions that predicted them."""
+def feed(model, tokens: list[int], caches: list) -> mx.array:
+    """Feed several tokens through `caches` in one call: the logits [V] after the last one."""
+    logits = model(mx.array(tokens)[None], cache=caches)[0, -1]
+    mx.eval(logits)
+    return logits
+
+
+def reference_decode(model, caches: list, first_logits: mx.array, continuation: list[int] | None,
+                     budget: int, eos: set[int]):
+    """Full-cache decode of the reference answer: tokens y_0..y_n and the distributions that
+    predicted them. QA: greedy until EOS (kept as y_n) or `budget` tokens; language modelling: the
+    dataset's continuation, `budget` tokens of it."""
     logits_seq, tokens = [first_logits], []
-    for s in range(steps + 1):
-        token = continuation[s] if continuation is not None else int(mx.argmax(logits_seq[-1]).item())
+    while True:
+        token = continuation[len(tokens)] if continuation is not None else int(mx.argmax(logits_seq[-1]).item())
         tokens.append(token)
-        if s < steps:
-            logits_seq.append(decode_step(model, token, caches))
-    return tokens, logits_seq
+        if len(tokens) >= budget or (continuation is None and token in eos):
+            return tokens, logits_seq
+        logits_seq.append(decode_step(model, token, caches))
 
 
 def check_deadline(deadline: float | None) -> None:
@@ -151,7 +187,7 @@ def check_deadline(deadline: float | None) -> None:
 
 def free_running(model, caches: list, first_token: int, max_tokens: int, eos: set[int],
                  deadline: float | None = None) -> list[int]:
-    """Greedy answer tokens starting from the prefill's own argmax."""
+    """Greedy answer tokens starting from `first_token` (the argmax after the prompt)."""
     tokens = [first_token]
     while len(tokens) < max_tokens and tokens[-1] not in eos:
         check_deadline(deadline)
@@ -164,26 +200,47 @@ class Reference:
     """What every method of a sample shares: the prompt, its full prefill and the reference decode."""
 
     prompt: list[int]
+    question_start: int  # prompt[:question_start] is the context part, the rest the question part
+    evidence: list[tuple[int, int]]  # token spans of the sample's evidence in the prompt
     continuation: list[int] | None  # the dataset's own next tokens (language modelling), else None
     prefilled: list  # full caches holding exactly the prompt (and its queries when recorded)
+    context_kv: list | None  # per layer (keys, values) of the context part alone, when kept
+    context_logits: mx.array | None  # full-cache logits at the last context position
     prefill_s: float
-    tokens: list[int]  # y_0 .. y_steps
+    tokens: list[int]  # y_0 .. y_n, the reference answer
     logits: list[mx.array]  # the full cache's distributions that predicted them
-    full_kv_bytes: int  # the full cache after `steps` decode steps
-    steps: int
+    full_kv_bytes: int  # the full cache after the reference answer
+    budget: int  # the task's answer budget
+    cut: bool  # decode_steps stopped the reference before EOS and the budget
+
+    @property
+    def steps(self) -> int:
+        return len(self.tokens)
 
 
-def reference(model, tokenizer, sample: dict, methods: list[Method], decode_steps: int) -> Reference:
-    prompt = datasets.prompt_tokens(sample, tokenizer)
+def reference(model, tokenizer, sample: dict, methods: list[Method], decode_steps: int | None,
+              protocols: tuple[str, ...] = ("query_aware",)) -> Reference:
+    prompt = datasets.sample_prompt(sample, tokenizer)
     continuation = datasets.reference_tokens(sample, tokenizer)
-    steps = decode_steps if continuation is None else min(decode_steps, len(continuation) - 1)
-    caches, first_logits, prefill_s = prefill(model, prompt, any(m.needs_queries for m in methods))
+    budget = len(continuation) if continuation is not None else datasets.max_answer_tokens(sample)
+    cap = budget if decode_steps is None else min(budget, decode_steps)
+    agnostic = "query_agnostic" in protocols
+    caches, first_logits, prefill_s, context = prefill(
+        model, prompt.tokens, any(m.needs_queries for m in methods), prompt.question_start if agnostic else None)
     prompt_kv = [c.keys_and_values() for c in caches]
-    tokens, logits = reference_decode(model, caches, first_logits, continuation, steps)
+    eos = set(tokenizer.eos_token_ids)
+    tokens, logits = reference_decode(model, caches, first_logits, continuation, cap, eos)
+    cut = cap < budget and len(tokens) == cap and (continuation is not None or tokens[-1] not in eos)
+    if cut:
+        warnings.warn(f"decode_steps={decode_steps} cut the reference answer of sample {sample['id']!r} "
+                      f"after {cap} of up to {budget} tokens, before EOS: per-step metrics do not cover the "
+                      f"whole answer (runs.reference_cut)", stacklevel=2)
     full_bytes = live_kv_bytes(caches)
     for cache, (keys, values) in zip(caches, prompt_kv):  # back to the prompt alone
         cache.state = (keys, values, keys.shape[2])
-    return Reference(prompt, continuation, caches, prefill_s, tokens, logits, full_bytes, steps)
+    context_kv, context_logits = context if context is not None else (None, None)
+    return Reference(prompt.tokens, prompt.question_start, prompt.evidence, continuation, caches, context_kv,
+                     context_logits, prefill_s, tokens, logits, full_bytes, budget, cut)
 
 
 def run_sample(
@@ -193,27 +250,57 @@ def run_sample(
     methods: list[Method],
     context: RunContext,
     on_record: Callable[[RunRecord], None] | None = None,
+    protocols: tuple[str, ...] = ("query_aware",),
+    pending: Callable[[Method, str], bool] | None = None,
 ) -> list[RunRecord]:
-    """Run every method on one sample; `on_record` sees each record as soon as it exists."""
-    ref = reference(model, tokenizer, sample, methods, context.decode_steps)
+    """Run every method under every protocol on one sample (those `pending(method, protocol)`
+    accepts, when given); `on_record` sees each record as soon as it exists. Records come protocol
+    by protocol, methods in order."""
+    unknown = [p for p in protocols if p not in PROTOCOLS]
+    if unknown or not protocols:
+        raise ValueError(f"protocols: expected a non-empty list of {list(PROTOCOLS)}, got {list(protocols)!r}")
+    ref = reference(model, tokenizer, sample, methods, context.decode_steps, tuple(protocols))
     records = []
-    for method in methods:
-        record = run_method(model, tokenizer, sample, method, context, ref)
-        records.append(record)
-        if on_record is not None:
-            on_record(record)
+    for protocol in protocols:
+        for method in methods:
+            if pending is not None and not pending(method, protocol):
+                continue
+            record = run_method(model, tokenizer, sample, method, context, ref, protocol)
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
     return records
 
 
-def run_method(model, tokenizer, sample: dict, method: Method, context: RunContext, ref: Reference) -> RunRecord:
-    """One method on one sample: derive its cache, decode teacher-forced, then free-running."""
-    config = run_config(context, sample, method)
+def compress(model, method: Method, ref: Reference, protocol: str) -> tuple[list, mx.array]:
+    """The method's cache after the whole prompt, and its logits [V] predicting y_0.
+
+    query_aware: the whole prompt's keys/values are compressed (the full prefill's logits predict
+    y_0). query_agnostic: only the context part is compressed, then the question part is fed
+    through the compressed cache, whose last logits predict y_0.
+    """
+    layers = ref.prefilled
+    if protocol == "query_aware":
+        queries = [c.prompt_queries for c in layers] if method.needs_queries else None
+        return derive_cache(model, method, [c.keys_and_values() for c in layers], queries), ref.logits[0]
+    T = ref.question_start
+    queries = [c.prompt_queries[:, :, :T] for c in layers] if method.needs_queries else None
+    caches = derive_cache(model, method, ref.context_kv, queries)
+    question = ref.prompt[T:]
+    return caches, feed(model, question, caches) if question else ref.context_logits
+
+
+def run_method(model, tokenizer, sample: dict, method: Method, context: RunContext, ref: Reference,
+               protocol: str = "query_aware") -> RunRecord:
+    """One method on one sample under one protocol: compress, decode teacher-forced, then free-running."""
+    config = run_config(context, sample, method, protocol)
     row: dict[str, Any] = {
         "run_id": run_id(config),
         "model": context.model,
         "dataset": context.dataset,
         "task": sample["task"],
         "sample_id": sample["id"],
+        "protocol": protocol,
         "context_tokens": json.loads(context.dataset_params).get("context_tokens", len(ref.prompt)),
         "prompt_tokens": len(ref.prompt),
         **method.grid_columns(),
@@ -221,37 +308,44 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         "error": None,
         "full_kv_bytes": ref.full_kv_bytes,
         "decode_steps": ref.steps,
-        "config_label": method.label(),
+        "reference_cut": ref.cut,
+        # reports group by config_label: the protocol is part of a config's identity
+        "config_label": method.label() + ("" if protocol == "query_aware" else f" protocol={protocol}"),
         "config": json.dumps(config, sort_keys=True),
         "created_at": datetime.now(timezone.utc),
     }
     step_rows: list[dict[str, Any]] = []
     deadline = time.monotonic() + context.run_timeout_s if context.run_timeout_s else None
     try:
+        mx.synchronize()
+        baseline = mx.get_active_memory()  # weights, the shared full caches and reference logits
         mx.reset_peak_memory()
         start = time.perf_counter()
-        caches = derive_cache(model, method, ref.prefilled)
+        caches, first_logits = compress(model, method, ref, protocol)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
         # the free-running answer starts from the same compressed prompt: copy it, do not re-derive
         answer_caches = copy.deepcopy(caches) if ref.continuation is None else None
+        # step s: the logits that predict reference token y_s (s = 0 comes from the prompt itself)
+        logits, step_ms = first_logits, 0.0
         for s in range(ref.steps):
             check_deadline(deadline)
-            t0 = time.perf_counter()
-            logits = decode_step(model, ref.tokens[s], caches)
-            step_ms = 1000 * (time.perf_counter() - t0)
-            metrics = step_metrics(ref.logits[s + 1], logits, ref.tokens[s + 1])
+            if s > 0:
+                t0 = time.perf_counter()
+                logits = decode_step(model, ref.tokens[s - 1], caches)
+                step_ms = 1000 * (time.perf_counter() - t0)
+            metrics = step_metrics(ref.logits[s], logits, ref.tokens[s])
             if not all(math.isfinite(metrics[k]) for k in ("kl", "logit_cosine", "nll")):
                 row["status"], row["error"] = "nonfinite", f"non-finite logits at decode step {s}"
                 break
             step_rows.append({
-                "run_id": row["run_id"], "step": s, "position": len(ref.prompt) + s,
-                "ref_token": ref.tokens[s + 1], "token": metrics["token"],
-                "top1_agree": metrics["token"] == ref.tokens[s + 1], "kl": metrics["kl"],
-                "logit_cosine": metrics["logit_cosine"], "nll": metrics["nll"],
+                "run_id": row["run_id"], "step": s, "position": len(ref.prompt) + s - 1,
+                "ref_token": ref.tokens[s], "token": metrics["token"], "full_token": metrics["ref_argmax"],
+                "top1_agree": metrics["token"] == metrics["ref_argmax"], "top1_text": metrics["token"] == ref.tokens[s],
+                "kl": metrics["kl"], "logit_cosine": metrics["logit_cosine"], "nll": metrics["nll"],
                 "tokens_kept": tokens_kept(caches), "live_kv_bytes": live_kv_bytes(caches), "step_ms": step_ms,
             })
-        decode_s = sum(r["step_ms"] for r in step_rows) / 1000
-        row["decode_tok_s"] = len(step_rows) / decode_s if decode_s else None
+        timed = [r["step_ms"] for r in step_rows[1:]]
+        row["decode_tok_s"] = len(timed) / (sum(timed) / 1000) if timed and sum(timed) else None
         row["live_kv_bytes"] = live_kv_bytes(caches)
         row["tokens_kept"] = tokens_kept(caches)
         row["peak_memory_bytes"] = mx.get_peak_memory()
@@ -260,10 +354,12 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
             row["prediction"] = None
         else:
             eos = set(tokenizer.eos_token_ids)
-            answer = free_running(model, answer_caches, ref.tokens[0],
-                                  datasets.max_answer_tokens(sample), eos, deadline)
+            answer = free_running(model, answer_caches, int(mx.argmax(first_logits).item()), ref.budget, eos,
+                                  deadline)
             row["prediction"] = tokenizer.decode(answer)
             row["score"] = datasets.score(sample, row["prediction"])
+        mx.synchronize()
+        row["method_peak_bytes"] = max(mx.get_peak_memory() - baseline, 0)
     except RunTimeout as exc:
         row["status"], row["error"] = "timeout", f"{exc} ({context.run_timeout_s} s)"
     except Exception as exc:  # recorded, and the shard goes on with the next method

@@ -4,7 +4,8 @@ A spec (YAML file, built-in name or dict):
 
     name: default
     model: smollm2-135m
-    decode_steps: 16
+    decode_steps: 16              # optional cap on the reference answer (default: EOS or the task's budget)
+    protocol: [query_aware, query_agnostic]
     datasets:
       - name: niah
         params: {variant: single}
@@ -37,6 +38,7 @@ import yaml
 from . import datasets
 from .methods import method_config
 from .methods.base import ConfigError, Method
+from .runner import PROTOCOLS
 
 GRIDS_DIR = Path(__file__).parent / "grids"
 
@@ -88,6 +90,7 @@ class Shard:
     dataset_params: dict[str, Any]
     sample_index: int
     methods: tuple[Method, ...]
+    protocols: tuple[str, ...] = ("query_aware",)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON form (what Prefect tasks take and `kvcompress.execute` reads)."""
@@ -96,6 +99,7 @@ class Shard:
             "dataset_params": json.dumps(self.dataset_params, sort_keys=True),
             "sample_index": self.sample_index,
             "methods": [m.to_json() for m in self.methods],
+            "protocols": list(self.protocols),
         }
 
 
@@ -103,7 +107,8 @@ class Shard:
 class SweepSpec:
     name: str
     model: str = "smollm2-135m"
-    decode_steps: int = 32
+    decode_steps: int | None = None  # cap on the reference answer; None: EOS or the task's answer budget
+    protocol: tuple[str, ...] = ("query_aware",)
     run_timeout_s: float | None = 1800.0  # per method run; a slower run is recorded as "timeout"
     datasets: tuple[DatasetAxis, ...] = ()
     methods: tuple[MethodAxis, ...] = ()
@@ -115,16 +120,19 @@ class SweepSpec:
     def shards(self) -> list[Shard]:
         methods = self._expand()
         return [
-            Shard(axis.name, axis.loader_params(length), index, tuple(methods))
+            Shard(axis.name, axis.loader_params(length), index, tuple(methods), tuple(self.protocol))
             for axis in self.datasets
             for length in axis.context_tokens
-            for index in range(axis.num_samples)
+            for index in range(datasets.dataset_config(axis.name, axis.loader_params(length)).rows())
         ]
 
     def _expand(self) -> list[Method]:
         errors: list[str] = []
-        if not (isinstance(self.decode_steps, int) and 1 <= self.decode_steps <= 4096):
-            errors.append(f"decode_steps: expected an int in [1, 4096], got {self.decode_steps!r}")
+        if self.decode_steps is not None and not (isinstance(self.decode_steps, int) and 1 <= self.decode_steps <= 4096):
+            errors.append(f"decode_steps: expected an int in [1, 4096] or null (no cap), got {self.decode_steps!r}")
+        if not self.protocol or any(p not in PROTOCOLS for p in self.protocol) or len(set(self.protocol)) < len(self.protocol):
+            errors.append(f"protocol: expected a non-empty list of distinct values from {list(PROTOCOLS)}, "
+                          f"got {list(self.protocol)!r}")
         if self.run_timeout_s is not None and not (isinstance(self.run_timeout_s, (int, float)) and self.run_timeout_s > 0):
             errors.append(f"run_timeout_s: expected a number of seconds > 0 or null, got {self.run_timeout_s!r}")
         if not self.datasets:
@@ -154,10 +162,12 @@ class SweepSpec:
         """Cells, shards and a rough CPU time for `--dry-run`."""
         methods, shards = self.method_configs(), self.shards()
         prefill_tokens = sum(s.dataset_params["context_tokens"] for s in shards)
-        # reference decode + per method a teacher-forced and a free-running decode
-        decode_tokens = len(shards) * self.decode_steps * (1 + 2 * len(methods))
+        # reference decode + per method and protocol a teacher-forced and a free-running decode
+        # (answers end at EOS, usually well before the budget: 32 tokens each is a rough guess)
+        steps = self.decode_steps or 32
+        decode_tokens = len(shards) * steps * (1 + 2 * len(methods) * len(self.protocol))
         seconds = prefill_tokens / PREFILL_TOK_S + decode_tokens / DECODE_TOK_S
-        return {"runs": len(shards) * len(methods), "shards": len(shards), "methods": len(methods),
+        return {"runs": len(shards) * len(methods) * len(self.protocol), "shards": len(shards), "methods": len(methods),
                 "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "estimated_cpu_s": round(seconds)}
 
 
@@ -179,7 +189,7 @@ def _mapping(d: Any, allowed: set[str], where: str, named: bool = True) -> dict:
 
 def parse_spec(data: dict[str, Any]) -> SweepSpec:
     """Build a spec from a mapping, rejecting unknown keys with their allowed names."""
-    top = _mapping(data, {"name", "model", "decode_steps", "run_timeout_s", "datasets", "methods"}, "sweep",
+    top = _mapping(data, {"name", "model", "decode_steps", "protocol", "run_timeout_s", "datasets", "methods"}, "sweep",
                    named=False)
     dataset_axes = []
     for i, raw in enumerate(top.get("datasets") or []):
@@ -195,7 +205,8 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
         method_axes.append(MethodAxis(name=m["name"], params=dict(m.get("params") or {}),
                                       grid={k: list(_as_tuple(v)) for k, v in (m.get("grid") or {}).items()}))
     return SweepSpec(name=str(top.get("name", "sweep")), model=top.get("model", "smollm2-135m"),
-                     decode_steps=top.get("decode_steps", 32), run_timeout_s=top.get("run_timeout_s", 1800.0),
+                     decode_steps=top.get("decode_steps"),
+                     protocol=_as_tuple(top.get("protocol", "query_aware")), run_timeout_s=top.get("run_timeout_s", 1800.0),
                      datasets=tuple(dataset_axes), methods=tuple(method_axes))
 
 

@@ -23,8 +23,8 @@ CREATE OR REPLACE MACRO wilson_high(p, n) AS
       * sqrt(p * (1 - p) / n + 1.959963984540054 ^ 2 / (4 * n * n));
 
 -- run_scores: one row per finished run with status 'ok', with its per-step means and the score
--- of the full cache on the SAME sample (same sweep, model, dataset, task, context length and
--- sample id), so every report can set a method against the ceiling it could have reached.
+-- of the full cache on the SAME sample (same sweep, model, dataset, task, context length, sample id
+-- and protocol), so every report can set a method against the ceiling it could have reached.
 CREATE OR REPLACE VIEW run_scores AS
 WITH step_stats AS (
     SELECT sweep_id, run_id,
@@ -35,14 +35,15 @@ WITH step_stats AS (
     GROUP BY ALL
 ),
 ok_runs AS (
-    SELECT r.*, s.kl_mean, s.top1_agree, s.steps_recorded
+    -- runs written before protocols existed were query-aware
+    SELECT r.* REPLACE (coalesce(r.protocol, 'query_aware') AS protocol), s.kl_mean, s.top1_agree, s.steps_recorded
     FROM runs AS r
     LEFT JOIN step_stats AS s USING (sweep_id, run_id)
     WHERE r.status = 'ok'
 ),
 full_cache_scores AS (
     -- avg: a sample run twice under the full cache (e.g. two prefill chunkings) counts once
-    SELECT sweep_id, model, dataset, task, context_tokens, sample_id, avg(score) AS score_full
+    SELECT sweep_id, model, dataset, task, context_tokens, sample_id, protocol, avg(score) AS score_full
     FROM ok_runs
     WHERE method = 'full'
     GROUP BY ALL
@@ -58,13 +59,13 @@ SELECT o.* EXCLUDE (config_label),
                                THEN 'tau=' || coalesce(printf('%g', o.tau_init), '-') || '..'
                                     || coalesce(printf('%g', o.tau_end), '-') END)) AS config_label
 FROM ok_runs AS o
-LEFT JOIN full_cache_scores AS f USING (sweep_id, model, dataset, task, context_tokens, sample_id);
+LEFT JOIN full_cache_scores AS f USING (sweep_id, model, dataset, task, context_tokens, sample_id, protocol);
 
 -- config_scores: one row per sweep x config x dataset x task x context length, the aggregation
 -- summary.sql and compare_sweeps.sql share. The Wilson interval only where every score is in [0, 1].
 CREATE OR REPLACE VIEW config_scores AS
 WITH cells AS (
-    SELECT sweep_id, method, budget, bits, tau_init, tau_end, dataset, task, context_tokens,
+    SELECT sweep_id, method, budget, bits, tau_init, tau_end, protocol, dataset, task, context_tokens,
            config_label,
            count(*) AS runs,
            avg(score) AS score_mean,
@@ -77,7 +78,7 @@ WITH cells AS (
            avg(kv_ratio_to_full) AS kv_ratio_to_full,
            avg(decode_tok_s) AS decode_tok_s
     FROM run_scores
-    GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, config_label, dataset, task, context_tokens
+    GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, protocol, config_label, dataset, task, context_tokens
 )
 SELECT *,
        CASE WHEN score_in_unit_range THEN wilson_low(score_mean, runs) END AS score_ci_low,

@@ -6,10 +6,10 @@
 -- kl_mean: mean over runs of the per-run mean KL(full || method) in nats; top1_agree: share of
 --   steps whose argmax matches the full cache; kv_ratio_to_full: resident KV bytes over the full
 --   cache's, same tokens. Needs views.sql and run_scores.sql (the config_scores view).
-SELECT sweep_id, method, budget, bits, tau_init, tau_end, dataset, task, context_tokens,
+SELECT sweep_id, method, budget, bits, tau_init, tau_end, protocol, dataset, task, context_tokens,
        runs, score_mean, score_ci_low, score_ci_high, score_full_mean, score_vs_full,
        kl_mean, top1_agree, CAST(live_kv_bytes AS BIGINT) AS live_kv_bytes, kv_ratio_to_full,
        decode_tok_s, config_label
 FROM config_scores
-ORDER BY sweep_id, dataset, task, context_tokens, method,
+ORDER BY sweep_id, protocol, dataset, task, context_tokens, method,
          budget NULLS FIRST, bits NULLS FIRST, tau_init NULLS FIRST, tau_end NULLS FIRST;

@@ -23,15 +23,19 @@ def test_language_modelling_is_teacher_forced_on_the_dataset_continuation(embedd
     methods = [method_config("full"), method_config("streaming", budget=64, n_sink=4)]
     full, stream = run_sample(model, tokenizer, sample, methods, context_for("lm", params, 32))
     continuation = datasets.reference_tokens(sample, tokenizer)
-    assert len(full.steps) == len(continuation) - 1  # capped by the continuation, not decode_steps
-    assert [s["ref_token"] for s in full.steps] == continuation[1:]
+    assert len(full.steps) == len(continuation)  # every continuation token, y_0 included
+    assert [s["ref_token"] for s in full.steps] == continuation
     assert all(s["kl"] == 0.0 for s in full.steps)
     nll = [s["nll"] for s in full.steps]
     assert full.run["score"] == pytest.approx(math.exp(-sum(nll) / len(nll)))
     assert full.run["prediction"] is None and full.run["context_tokens"] == 256
     assert stream.run["tokens_kept"] == 64
     assert stream.run["live_kv_bytes"] < 0.35 * stream.run["full_kv_bytes"]
-    assert all(s["kl"] > 0 for s in stream.steps)
+    assert stream.steps[0]["kl"] == 0.0  # query-aware: y_0 comes from the full prefill
+    assert all(s["kl"] > 0 for s in stream.steps[1:])
+    # lm: agreement with the full cache and accuracy against the text are separate columns
+    assert all(s["top1_agree"] for s in full.steps)
+    assert [s["top1_text"] for s in full.steps] == [s["full_token"] == s["ref_token"] for s in full.steps]
     assert full.run["run_id"] != stream.run["run_id"]
 
 
@@ -53,9 +57,64 @@ def test_prefill_records_exactly_the_prompt_queries_for_methods_that_score_with_
     model, tokenizer = embedded
     params = {"context_tokens": 256, "num_samples": 1, "seed": 0}
     sample = load_dataset("passkey", tokenizer=tokenizer, **params)[0]
-    ref = reference(model, tokenizer, sample, [method_config("keyformer", budget=64)], decode_steps=3)
+    ref = reference(model, tokenizer, sample, [method_config("keyformer", budget=64)], decode_steps=3,
+                    protocols=("query_aware", "query_agnostic"))
     layer = ref.prefilled[0]
     assert layer.prompt_queries.shape == (1, 9, len(ref.prompt), 64)  # decode steps are not recorded
     assert layer.offset == len(ref.prompt)  # the reference decode did not leak into the prefill
+    assert ref.context_kv[0][0].shape[2] == ref.question_start < len(ref.prompt)
     plain = reference(model, tokenizer, sample, [method_config("full")], decode_steps=3)
+    assert plain.context_kv is None
     assert not hasattr(plain.prefilled[0], "prompt_queries")
+
+
+def test_reference_answer_runs_to_eos_and_a_cap_that_cuts_it_warns(embedded):
+    model, tokenizer = embedded
+    params = {"task": "niah_single_2", "context_tokens": 512, "num_samples": 1, "seed": 0}
+    sample = load_dataset("ruler", tokenizer=tokenizer, **params)[0]
+    (full,) = run_sample(model, tokenizer, sample, [method_config("full")], context_for("ruler", params, None))
+    eos = set(tokenizer.eos_token_ids)
+    assert full.steps[-1]["ref_token"] in eos and not full.run["reference_cut"]
+    assert len(full.steps) == full.run["decode_steps"] < 128
+    answer = tokenizer.decode([s["ref_token"] for s in full.steps[:-1]])
+    assert answer.strip() == full.run["prediction"].strip()
+    with pytest.warns(UserWarning, match="decode_steps=2 cut the reference answer"):
+        (cut,) = run_sample(model, tokenizer, sample, [method_config("full")], context_for("ruler", params, 2))
+    assert cut.run["reference_cut"] and len(cut.steps) == 2
+    assert cut.run["prediction"] == full.run["prediction"]  # the free-running answer is not capped
+
+
+def test_at_a_budget_covering_the_context_both_protocols_give_the_full_caches_answer(embedded):
+    model, tokenizer = embedded
+    params = {"task": "niah_single_2", "context_tokens": 512, "num_samples": 1, "seed": 3}
+    sample = load_dataset("ruler", tokenizer=tokenizer, **params)[0]
+    # a token budget above the whole prompt and answer: nothing is ever evicted, under either protocol
+    methods = [method_config("full"), method_config("streaming", budget=1024),
+               method_config("h2o", budget=1024), method_config("keyformer", budget=1024)]
+    records = run_sample(model, tokenizer, sample, methods, context_for("ruler", params, None),
+                         protocols=("query_aware", "query_agnostic"))
+    assert [r.run["protocol"] for r in records] == ["query_aware"] * 4 + ["query_agnostic"] * 4
+    full = records[0].run
+    for r in records:
+        assert r.run["status"] == "ok", r.run["error"]
+        assert r.run["prediction"] == full["prediction"], (r.method, r.run["protocol"])
+        assert all(s["top1_agree"] for s in r.steps)
+    ids = {r.run["run_id"] for r in records}
+    assert len(ids) == 8  # the protocol is part of the run id
+    agnostic_full = records[4]
+    assert max(s["kl"] for s in agnostic_full.steps) < 1e-4
+
+
+def test_query_agnostic_compresses_the_context_before_the_question(embedded):
+    model, tokenizer = embedded
+    params = {"task": "niah_single_2", "context_tokens": 512, "num_samples": 1, "seed": 0}
+    sample = load_dataset("ruler", tokenizer=tokenizer, **params)[0]
+    method = method_config("streaming", budget=64, n_sink=4)
+    aware, agnostic = run_sample(model, tokenizer, sample, [method], context_for("ruler", params, None),
+                                 protocols=("query_aware", "query_agnostic"))
+    prompt = datasets.sample_prompt(sample, tokenizer)
+    assert aware.steps[0]["kl"] == 0.0  # query-aware: the prefill's own logits predict y_0
+    assert agnostic.steps[0]["kl"] > 0.0  # the question attended to the compressed context
+    # the budget is relative to the context part: 64 tokens kept after the question went through
+    assert agnostic.run["tokens_kept"] == aware.run["tokens_kept"] == 64
+    assert prompt.question_start < len(prompt.tokens)

@@ -64,6 +64,10 @@ class DatasetConfig:
     def load(self, tokenizer):
         raise NotImplementedError
 
+    def rows(self) -> int:
+        """Rows `load` builds (a sweep makes one shard per row)."""
+        return self.num_samples
+
     def rng(self, index: int) -> random.Random:
         """Sample `index`'s own generator: sample i is the same whatever num_samples is."""
         return random.Random(f"{self.name}:{self.seed}:{index}")

@@ -288,6 +288,9 @@ class Ruler(DatasetConfig):
     def tasks(self) -> tuple[str, ...]:
         return (self.task,) if isinstance(self.task, str) else tuple(self.task)
 
+    def rows(self) -> int:
+        return self.num_samples * len(self.tasks)
+
     def load(self, tokenizer=None):
         tokenizer = resolve_tokenizer(tokenizer)
         return to_dataset([self.sample(task, i, tokenizer) for task in self.tasks for i in range(self.num_samples)])

@@ -34,11 +34,11 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from tasks.report import DEFAULT_REPORTS, render_reports
 
-    print(render_reports(args.results, args.sql or DEFAULT_REPORTS))
+    print(render_reports(args.results, args.sql or DEFAULT_REPORTS, args.baseline))
     if args.html:
         from tasks.html_report import write_html
 
-        print(f"wrote {write_html(args.results, args.html)}")
+        print(f"wrote {write_html(args.results, args.html, baseline=args.baseline)}")
     return 0
 
 
@@ -68,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--results", default=None, help=results_help)
     r.add_argument("--sql", action="append", help="a report name (sql/NAME.sql) or .sql file; repeatable")
     r.add_argument("--html", default=None, help="also write a self-contained HTML report here")
+    r.add_argument("--baseline", default=None,
+                   help="a config_label the paired report also compares every config with (e.g. 'h2o budget=0.5')")
     r.set_defaults(func=cmd_report)
 
     m = sub.add_parser("methods", help="list compression methods and their parameters")

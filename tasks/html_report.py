@@ -36,13 +36,14 @@ td { white-space: nowrap; }
 """
 
 
-def write_html(results: str | None, path: str, sweep_id: str | None = None) -> pathlib.Path:
+def write_html(results: str | None, path: str, sweep_id: str | None = None, baseline: str | None = None) -> pathlib.Path:
     """Write the HTML report of `sweep_id` (default: the sweep with the newest run) to `path`."""
     sweeps = sweep_ids(results)
     sweep_id = sweep_id or sweeps[0]
     check(sweep_id in sweeps, "sweep_id", f"one of {sweeps}", sweep_id)
-    reports = sweep_reports(results, sweep_id, DEFAULT_REPORTS)
+    reports = sweep_reports(results, sweep_id, DEFAULT_REPORTS, baseline)
     plots = [
+        ("Score difference vs the full cache (paired, 95% bootstrap CI)", paired_png(reports["paired"])),
         ("Score vs compression ratio", score_vs_compression_png(reports["pareto"])),
         ("KL and top-1 agreement vs decode step", degradation_png(reports["degradation"])),
         ("Quality vs memory Pareto front", pareto_png(reports["pareto"])),
@@ -54,7 +55,10 @@ def write_html(results: str | None, path: str, sweep_id: str | None = None) -> p
         f"<title>kvcompress report: {html.escape(sweep_id)}</title><style>{STYLE}</style></head><body>",
         f"<h1>kvcompress report: sweep {html.escape(sweep_id)}</h1>",
         f'<p class="note">Generated {generated}. Scores carry 95% Wilson intervals (score_ci_low..'
-        "score_ci_high) and the full cache's score on the same samples (score_full_mean).</p>",
+        "score_ci_high) and the full cache's score on the same samples (score_full_mean). The paired "
+        "report compares every config with the full cache (and a baseline) sample by sample: mean "
+        "difference, paired bootstrap 95% CI, exact McNemar p for 0/1 scores, n; a CI that spans 0 "
+        "reads \"not distinguishable\".</p>",
     ]
     for title, png in plots:
         parts.append(f"<h2>{html.escape(title)}</h2>")
@@ -200,3 +204,35 @@ def pareto_png(pareto: tuple[list[str], list[tuple]]) -> bytes:
         ax.legend(fontsize=7)
     return _png(fig)
 
+
+
+def paired_png(paired: tuple[list[str], list[tuple]]) -> bytes:
+    """Per config the mean paired score difference vs the full cache with its 95% bootstrap CI,
+    one panel per dataset/task/context/protocol cell; 0 (no difference) as a vertical line."""
+    records = [r for r in _records(paired) if r["diff_vs_full"] is not None and r["config_label"] != "full"]
+    cells = sorted({(r["dataset"], r["task"], r["context_tokens"], r["protocol"]) for r in records})
+    columns = max(1, min(2, len(cells)))
+    rows = max(1, -(-len(cells) // columns))
+    height = max(2.0, 0.28 * max((sum(1 for r in records if (r["dataset"], r["task"], r["context_tokens"],
+                                                                  r["protocol"]) == c) for c in cells), default=1))
+    fig, axes = plt.subplots(rows, columns, figsize=(PANEL_INCHES[0] * columns + 2, (height + 1) * rows),
+                             squeeze=False)
+    for ax in axes.flat[len(cells):]:
+        ax.set_visible(False)
+    if not cells:
+        axes[0, 0].text(0.5, 0.5, "no paired data", ha="center", va="center")
+    for ax, cell in zip(axes.flat, cells):
+        cell_rows = sorted((r for r in records if (r["dataset"], r["task"], r["context_tokens"], r["protocol"]) == cell),
+                           key=lambda r: r["config_label"])
+        ys = list(range(len(cell_rows)))
+        for y, r in zip(ys, cell_rows):
+            resolved = r["vs_full"] in ("better", "worse")
+            ax.errorbar(r["diff_vs_full"], y, xerr=[[r["diff_vs_full"] - r["diff_vs_full_ci_low"]],
+                                                    [r["diff_vs_full_ci_high"] - r["diff_vs_full"]]],
+                        fmt="o", capsize=3, color="tab:red" if resolved else "tab:gray")
+        ax.axvline(0.0, color="black", linewidth=1)
+        ax.set_yticks(ys, [f"{r['config_label']} (n={r['n']})" for r in cell_rows], fontsize=7)
+        dataset, task, context, protocol = cell
+        ax.set(title=f"{task} @ {context} ({protocol})", xlabel="score - full score (red: CI excludes 0)")
+        ax.grid(alpha=0.3, axis="x")
+    return _png(fig)

@@ -11,17 +11,20 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from kvcompress.results import default_root
+from kvcompress.stats import compare
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
-DEFAULT_REPORTS = ("summary", "pareto", "degradation", "speed_memory", "compare_sweeps")
+DEFAULT_REPORTS = ("summary", "paired", "pareto", "degradation", "speed_memory", "compare_sweeps")
 
 
-def connect(results: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with the `runs`, `steps` and `run_scores` views over `results`."""
+def connect(results: str | None = None, baseline: str | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB with the `runs`, `steps` and `run_scores` views over `results`;
+    `baseline` (a config_label) is the second reference of the `paired` report."""
     root = results or default_root()
     con = duckdb.connect()
     con.execute("SET VARIABLE kv_results = ?", [root.rstrip("/")])
+    con.execute("SET VARIABLE baseline = ?", [baseline])
     for name in VIEW_FILES:
         con.execute((SQL_DIR / name).read_text())
     return con
@@ -34,9 +37,52 @@ def sql_file(name_or_path: str) -> Path:
 
 
 def run_report(con: duckdb.DuckDBPyConnection, name_or_path: str) -> tuple[list[str], list[tuple]]:
-    """(column names, rows) of a report's final statement."""
+    """(column names, rows) of a report's final statement (`paired`: its statistics)."""
     relation = con.sql(sql_file(name_or_path).read_text())
-    return relation.columns, relation.fetchall()
+    columns, rows = relation.columns, relation.fetchall()
+    if sql_file(name_or_path).stem == "paired":
+        return paired_statistics(columns, rows)
+    return columns, rows
+
+
+PAIRED_COLUMNS = [
+    "sweep_id", "protocol", "dataset", "task", "context_tokens", "config_label", "n", "score_mean",
+    "score_full_mean", "diff_vs_full", "diff_vs_full_ci_low", "diff_vs_full_ci_high", "mcnemar_p_vs_full",
+    "vs_full", "n_baseline", "diff_vs_baseline", "diff_vs_baseline_ci_low", "diff_vs_baseline_ci_high",
+    "mcnemar_p_vs_baseline", "vs_baseline",
+]
+
+
+def paired_statistics(columns: list[str], rows: list[tuple]) -> tuple[list[str], list[tuple]]:
+    """Per config x cell, from sql/paired.sql's rows: paired differences vs the full cache and vs
+    the baseline with bootstrap CIs, exact McNemar p (0/1 scores), n, and a verdict that says
+    "not distinguishable" when the CI spans 0 (kvcompress/stats.py)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        r = dict(zip(columns, row))
+        key = tuple(r[c] for c in ("sweep_id", "protocol", "dataset", "task", "context_tokens", "config_label"))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for key, runs in groups.items():
+        scored = [r for r in runs if r["score"] is not None]
+        out_row = [*key, len(scored), _mean([r["score"] for r in scored])]
+        for other in ("score_full", "score_baseline"):
+            pairs = [(r["score"], r[other]) for r in scored if r[other] is not None]
+            stats = compare([a for a, _ in pairs], [b for _, b in pairs]) if pairs else None
+            if other == "score_full":
+                out_row.append(_mean([b for _, b in pairs]))
+            else:
+                out_row.append(len(pairs))
+            if stats is None:
+                out_row += [None, None, None, None, None]
+            else:
+                out_row += [stats.diff_mean, stats.ci_low, stats.ci_high, stats.mcnemar_p, stats.verdict]
+        out.append(tuple(out_row))
+    return PAIRED_COLUMNS, out
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def format_cell(value) -> str:
@@ -64,9 +110,9 @@ def format_markdown(columns: list[str], rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def render_reports(results: str | None = None, reports=DEFAULT_REPORTS) -> str:
+def render_reports(results: str | None = None, reports=DEFAULT_REPORTS, baseline: str | None = None) -> str:
     """Every report as a terminal table, titled with its name and row count."""
-    con = connect(results)
+    con = connect(results, baseline)
     parts = []
     for name in reports:
         columns, rows = run_report(con, name)
@@ -74,10 +120,11 @@ def render_reports(results: str | None = None, reports=DEFAULT_REPORTS) -> str:
     return "\n\n".join(parts)
 
 
-def sweep_reports(results: str | None, sweep_id: str, reports=DEFAULT_REPORTS) -> dict[str, tuple[list[str], list[tuple]]]:
+def sweep_reports(results: str | None, sweep_id: str, reports=DEFAULT_REPORTS,
+                  baseline: str | None = None) -> dict[str, tuple[list[str], list[tuple]]]:
     """Each report's (columns, rows) restricted to one sweep; compare_sweeps sets it against the
     sweep that ran before it (the report's default when sweep_a is unset)."""
-    con = connect(results)
+    con = connect(results, baseline)
     con.execute("SET VARIABLE sweep_b = ?", [sweep_id])
     out = {}
     for name in reports:

@@ -293,8 +293,8 @@ def test_render_reports_prints_every_report(fixture_results):
 
     text = render_reports(fixture_results[0])
     titles = re.findall(r"^== (\w+) \((\d+) rows\)$", text, flags=re.M)
-    assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["summary", "pareto", "degradation", "speed_memory",
-                                                               "compare_sweeps"]
+    assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["summary", "paired", "pareto", "degradation",
+                                                               "speed_memory", "compare_sweeps"]
     assert all(int(n) > 0 for _, n in titles)
     assert "score_ci_low" in text and "decode_ms_p50" in text
 
@@ -311,13 +311,13 @@ def test_html_report_in_headless_chromium(fixture_results, tmp_path):
     page = write_html(fixture_results[0], str(tmp_path / "report.html"))
     text = page.read_text()
     images = re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
-    assert len(images) == 3 == text.count("<img ")
+    assert len(images) == 4 == text.count("<img ")
     for encoded in images:
         pixels = _png_pixels(base64.b64decode(encoded))
         assert pixels.shape[0] > 200 and pixels.shape[1] > 300
         assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::7]}) > 1  # not a flat image
     assert "http://" not in text and "https://" not in text and "<script" not in text  # self-contained
-    assert text.count("<table>") == 5 and "sweep s2" in text  # default: the newest sweep
+    assert text.count("<table>") == 6 and "sweep s2" in text  # default: the newest sweep
 
     chromium = "/usr/bin/chromium"
     if not Path(chromium).exists():
@@ -351,7 +351,7 @@ def test_publish_artifacts_to_a_real_prefect_server(fixture_results):
     with prefect_test_harness(server_startup_timeout=60):
         keys = publish(fixture_results[0], "s2")
         assert keys == {name: f"sweep-s2-{name.replace('_', '-')}" for name in
-                        ["summary", "pareto", "degradation", "speed_memory", "compare_sweeps"]}
+                        ["summary", "paired", "pareto", "degradation", "speed_memory", "compare_sweeps"]}
         stored = {name: Artifact.get(key) for name, key in keys.items()}
     summary = stored["summary"]
     assert summary.type == "table"
@@ -387,4 +387,29 @@ def test_html_report_handles_configs_tied_on_compression_ratio(tmp_path):
               make_steps(rid, [0.1, 0.2], [True, True]))
     write(root, "tie", "full", make_run("f", "full", 1.0, 1000), make_steps("f", [0.0, 0.0], [True, True]))
     page = html(root, str(tmp_path / "report.html")).read_text()
-    assert page.count("<img") == 3
+    assert page.count("<img") == 4
+
+
+def test_paired_report_matches_the_summary_and_names_unresolved_differences(fixture_results):
+    from tasks.report import connect, run_report
+
+    con = connect(fixture_results[0])
+    columns, rows = run_report(con, "paired")
+    paired = [dict(zip(columns, r)) for r in rows]
+    s_columns, s_rows = run_report(con, "summary")
+    summary = {(r["sweep_id"], r["dataset"], r["task"], r["context_tokens"], r["config_label"]): r
+               for r in (dict(zip(s_columns, row)) for row in s_rows)}
+    assert paired and len(paired) == len(summary)
+    for p in paired:
+        s = summary[(p["sweep_id"], p["dataset"], p["task"], p["context_tokens"], p["config_label"])]
+        assert p["n"] == s["runs"] and p["score_mean"] == pytest.approx(s["score_mean"])
+        assert p["diff_vs_full"] == pytest.approx(s["score_vs_full"])
+        assert p["diff_vs_full_ci_low"] <= p["diff_vs_full"] <= p["diff_vs_full_ci_high"]
+        spans_zero = p["diff_vs_full_ci_low"] <= 0 <= p["diff_vs_full_ci_high"]
+        assert (p["vs_full"] == "not distinguishable") == spans_zero
+        assert p["n_baseline"] == 0 and p["vs_baseline"] is None  # no baseline set
+    assert any(p["vs_full"] == "not distinguishable" for p in paired if p["config_label"] != "full")
+    with_baseline = connect(fixture_results[0], baseline="full")
+    columns, rows = run_report(with_baseline, "paired")
+    for p in (dict(zip(columns, r)) for r in rows):
+        assert p["n_baseline"] == p["n"] and p["diff_vs_baseline"] == pytest.approx(p["diff_vs_full"])

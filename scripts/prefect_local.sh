@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# A local Prefect server (SQLite, 127.0.0.1), a process work pool, the deployments and a worker.
+# A local Prefect server (SQLite), a process work pool, the deployments and a worker.
 # Usage: scripts/prefect_local.sh {server|pool|deploy|worker|workers N|run NAME [--param k=v ...]|stop|demo}
 # Environment (set by the Makefile): PREFECT_HOME, PREFECT_API_URL, KVCOMPRESS_HOME, VENV.
+# PREFECT_SERVER_HOST: the address the server binds, 127.0.0.1 (this machine only) by default;
+# 0.0.0.0 (or one interface's address) serves workers on other machines. The API has no
+# authentication: bind beyond loopback only on a network you trust.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVCOMPRESS_HOME=${KVCOMPRESS_HOME:-$PWD}
@@ -18,7 +21,7 @@ healthy() { python -c "import urllib.request,os,sys; urllib.request.urlopen(os.e
 
 server() {
   if healthy; then echo "prefect server: already up at $PREFECT_API_URL"; return; fi
-  nohup prefect server start --host 127.0.0.1 --port "$port" --no-ui >"$PREFECT_HOME/server.log" 2>&1 &
+  nohup prefect server start --host "${PREFECT_SERVER_HOST:-127.0.0.1}" --port "$port" --no-ui >"$PREFECT_HOME/server.log" 2>&1 &
   echo $! >"$PREFECT_HOME/server.pid"
   for _ in $(seq 120); do healthy && { echo "prefect server: up at $PREFECT_API_URL"; return; }; sleep 1; done
   echo "prefect server did not become healthy; see $PREFECT_HOME/server.log" >&2; exit 1

@@ -53,7 +53,10 @@ class SweepError(ConfigError):
 
     def __init__(self, errors: list[str]):
         self.errors = errors
-        super().__init__(f"{len(errors)} invalid setting(s); nothing was run:\n  " + "\n  ".join(errors))
+        if len(errors) == 1:  # one line, as every other error of the CLI
+            super().__init__(f"{errors[0]} (nothing was run)")
+        else:
+            super().__init__(f"{len(errors)} invalid settings; nothing was run:\n  " + "\n  ".join(errors))
 
 
 @dataclass(frozen=True)

@@ -90,15 +90,16 @@ def test_deployment_run_completes_and_writes_queryable_results(deployed, tmp_pat
     assert summary["mlx-quant"]["kv_ratio_to_full"] < 0.2 < summary["streaming"]["kv_ratio_to_full"] < 0.6
 
 
-def test_bad_grid_fails_before_any_work(deployed, tmp_path):
-    results = tmp_path / "results"
+@pytest.mark.parametrize("param", ["grid=no-such-grid", "sweep_id=../../../../ESCAPED", "sweep_id=lr=0.1"])
+def test_bad_grid_or_sweep_id_fails_before_any_work(deployed, tmp_path, param):
+    results = tmp_path / "sub" / "results"
     done = subprocess.run(
-        [*PREFECT, "deployment", "run", "sweep/default", "--param", "grid=no-such-grid",
+        [*PREFECT, "deployment", "run", "sweep/default", "--param", "grid=smoke", "--param", param,
          "--param", f"results={results}", "--watch"],
         cwd=ROOT, env=deployed, capture_output=True, text=True, timeout=600,
     )
     assert "Failed" in done.stdout + done.stderr
-    assert not results.exists()
+    assert not list(tmp_path.rglob("*.parquet")) and not list(tmp_path.parent.rglob("ESCAPED"))
 
 
 def processes_with_home(prefect_home: Path) -> list[str]:

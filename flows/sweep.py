@@ -66,8 +66,8 @@ def sweep(
     results = results or default_root()
     if sweep_id is not None:
         validate_sweep_id(sweep_id)
-    check_root(results)  # an unwritable or unknown results root fails once, before any model load
     plan = plan_sweep(grid)  # raises before any work if any cell is invalid
+    check_root(results)  # an unwritable or unknown results root fails once, before any model load
     if nightly:
         sweep_id = sweep_id or f"{plan['name']}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     sweep_id = sweep_id or plan["name"]

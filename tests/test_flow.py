@@ -99,7 +99,7 @@ def test_bad_grid_or_sweep_id_fails_before_any_work(deployed, tmp_path, param):
         cwd=ROOT, env=deployed, capture_output=True, text=True, timeout=600,
     )
     assert "Failed" in done.stdout + done.stderr
-    assert not list(tmp_path.rglob("*.parquet")) and not list(tmp_path.parent.rglob("ESCAPED"))
+    assert not (tmp_path / "sub").exists() and not list(tmp_path.parent.rglob("ESCAPED"))
 
 
 def processes_with_home(prefect_home: Path) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from . import datasets
 from .methods import method_config
-from .model import load_model, load_tokenizer, model_fingerprint
+from .model import context_window, load_model, load_tokenizer, model_fingerprint
 from .results import finished_run_ids, run_id, write_run
 from .runner import RunContext, run_config, run_sample
 
@@ -44,12 +44,20 @@ def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int, swe
         return run_id(run_config(context, sample, method, protocol)) not in finished
 
     todo = [(m, p) for p in protocols for m in methods if pending(m, p)]
+    window = context_window(model_name)
+    beyond_window = bool(window and json.loads(shard["dataset_params"]).get("context_tokens", 0) > window)
+
+    def write(record) -> None:
+        if beyond_window:  # the grid opted in (allow_beyond_window): every report shows it
+            record.run["config_label"] += f" [beyond {window}-token window]"
+        write_run(results, sweep_id, record.method, record.run, record.steps, record.evidence)
+
     failed = 0
     if todo:
         records = run_sample(
             model, tokenizer, sample, [m for m in methods if any(m is t for t, _ in todo)], context,
-            on_record=lambda r: write_run(results, sweep_id, r.method, r.run, r.steps, r.evidence),
-            protocols=tuple(p for p in protocols if any(q == p for _, q in todo)), pending=pending,
+            on_record=write, protocols=tuple(p for p in protocols if any(q == p for _, q in todo)),
+            pending=pending,
         )
         failed = sum(r.run["status"] != "ok" for r in records)
     total = len(methods) * len(protocols)

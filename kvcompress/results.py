@@ -58,6 +58,7 @@ RUNS_SCHEMA = pa.schema(
         ("method_peak_bytes", pa.int64()),  # the method's own peak above the run's shared baseline
         ("decode_steps", pa.int64()),  # teacher-forced steps: the reference answer's tokens
         ("reference_cut", pa.bool_()),  # decode_steps stopped the reference before EOS / the budget
+        ("evidence_kept", pa.float64()),  # evidence tokens held after the answer: mean over layers, KV heads
         ("step_rows", pa.int64()),  # rows of this run in `steps` (resume checks the file holds them)
         ("prediction", pa.string()),
         ("config_label", pa.string()),  # method + non-default parameters: what reports group by

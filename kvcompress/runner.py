@@ -14,7 +14,8 @@ For one sample:
    part only and then feeds the question part through the compressed cache, as NVIDIA kvpress
    and the RULER-4k leaderboard do. Decode teacher-forced on the reference tokens recording per
    step KL, top-1 agreement, NLL and resident bytes for every answer token y_0..y_n; then decode
-   free-running from a copy of the same compressed cache for the task answer.
+   free-running from a copy of the same compressed cache for the task answer. Evidence survival
+   (kvcompress/evidence.py) is recorded right after compression and after the reference answer.
 
 A method that raises or produces non-finite logits is recorded with its status and error; the
 others go on.
@@ -37,6 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import attention, datasets
+from .evidence import layer_rows as evidence_rows
 from .memory import live_kv_bytes, tokens_kept
 from .methods.base import Method
 from .metrics import step_metrics
@@ -315,6 +317,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         "created_at": datetime.now(timezone.utc),
     }
     step_rows: list[dict[str, Any]] = []
+    evidence_records: list[dict[str, Any]] = []
     deadline = time.monotonic() + context.run_timeout_s if context.run_timeout_s else None
     try:
         mx.synchronize()
@@ -323,6 +326,8 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         start = time.perf_counter()
         caches, first_logits = compress(model, method, ref, protocol)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
+        full_kv = [c.keys_and_values() for c in ref.prefilled]
+        evidence = evidence_rows(caches, full_kv, ref.evidence, "compressed")
         # the free-running answer starts from the same compressed prompt: copy it, do not re-derive
         answer_caches = copy.deepcopy(caches) if ref.continuation is None else None
         # step s: the logits that predict reference token y_s (s = 0 comes from the prompt itself)
@@ -344,6 +349,9 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
                 "kl": metrics["kl"], "logit_cosine": metrics["logit_cosine"], "nll": metrics["nll"],
                 "tokens_kept": tokens_kept(caches), "live_kv_bytes": live_kv_bytes(caches), "step_ms": step_ms,
             })
+        final = evidence_rows(caches, full_kv, ref.evidence, "final")
+        evidence += final
+        row["evidence_kept"] = sum(r["kept_mean"] for r in final) / len(final) if final else None
         timed = [r["step_ms"] for r in step_rows[1:]]
         row["decode_tok_s"] = len(timed) / (sum(timed) / 1000) if timed and sum(timed) else None
         row["live_kv_bytes"] = live_kv_bytes(caches)
@@ -360,9 +368,10 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
             row["score"] = datasets.score(sample, row["prediction"])
         mx.synchronize()
         row["method_peak_bytes"] = max(mx.get_peak_memory() - baseline, 0)
+        evidence_records = [{"run_id": row["run_id"], **r} for r in evidence]
     except RunTimeout as exc:
         row["status"], row["error"] = "timeout", f"{exc} ({context.run_timeout_s} s)"
     except Exception as exc:  # recorded, and the shard goes on with the next method
         row["status"] = "error"
         row["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
-    return RunRecord(row, step_rows, method.name)
+    return RunRecord(row, step_rows, method.name, evidence_records)

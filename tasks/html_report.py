@@ -42,6 +42,7 @@ def write_html(results: str | None, path: str, sweep_id: str | None = None, base
     reports = sweep_reports(results, sweep_id, DEFAULT_REPORTS, baseline)
     plots = [
         ("Score difference vs the full cache (paired, 95% bootstrap CI)", paired_png(reports["paired"])),
+        ("Evidence kept vs score", evidence_png(reports["evidence"])),
         ("Score vs compression ratio", score_vs_compression_png(reports["pareto"])),
         ("KL and top-1 agreement vs decode step", degradation_png(reports["degradation"])),
         ("Quality vs memory Pareto front", pareto_png(reports["pareto"])),
@@ -230,4 +231,28 @@ def paired_png(paired: tuple[list[str], list[tuple]]) -> bytes:
         dataset, task, context, protocol = cell
         ax.set(title=f"{task} @ {context} ({protocol})", xlabel="score - full score (red: CI excludes 0)")
         ax.grid(alpha=0.3, axis="x")
+    return _png(fig)
+
+
+def evidence_png(evidence: tuple[list[str], list[tuple]]) -> bytes:
+    """Per config and cell, mean evidence kept (x) against mean score (y): a config that loses the
+    needle and fails sits bottom-left; one that keeps it and still fails, top-left of its kept."""
+    records = [r for r in _records(evidence) if r["evidence_kept_mean"] is not None]
+    fig, ax = plt.subplots(figsize=(PANEL_INCHES[0] + 2.5, PANEL_INCHES[1] + 0.5))
+    cmap = plt.get_cmap("tab10")
+    tasks = sorted({(r["task"], r["protocol"]) for r in records})
+    for i, (task, protocol) in enumerate(tasks):
+        cell = [r for r in records if (r["task"], r["protocol"]) == (task, protocol)]
+        ax.scatter([r["evidence_kept_mean"] for r in cell], [r["score_mean"] for r in cell], color=cmap(i % 10),
+                   marker="o" if protocol == "query_aware" else "^", label=f"{task} ({protocol})")
+        for r in cell:
+            ax.annotate(r["config_label"], (r["evidence_kept_mean"], r["score_mean"]), fontsize=5,
+                        xytext=(3, 2), textcoords="offset points")
+    if not records:
+        ax.text(0.5, 0.5, "no evidence recorded", ha="center", va="center")
+    ax.set(xlabel="evidence kept (mean over layers, heads, runs)", ylabel="score_mean", xlim=(-0.05, 1.05),
+           ylim=(-0.05, 1.05))
+    ax.grid(alpha=0.3)
+    if records:
+        ax.legend(fontsize=6, loc="lower right")
     return _png(fig)

@@ -19,7 +19,7 @@ from kvcompress.stats import compare
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
-DEFAULT_REPORTS = ("summary", "paired", "pareto", "degradation", "speed_memory", "compare_sweeps")
+DEFAULT_REPORTS = ("summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps")
 
 
 def connect(results: str | None = None, baseline: str | None = None) -> duckdb.DuckDBPyConnection:

@@ -73,7 +73,13 @@ def build_fixture(root: str) -> tuple[list[dict], list[dict]]:
                              live_kv_bytes=run["live_kv_bytes"], step_ms=round(rng.uniform(10, 40), 2))
                         for step in range(STEPS)
                     ]
-                    write_run(root, sweep_id, method, run, steps)
+                    # evidence: every layer held all of it when the answer was right, half otherwise
+                    kept = 1.0 if score >= 1 or method == "full" else 0.5
+                    run["evidence_kept"] = kept
+                    evidence = [dict(run_id=run_id, layer=layer, stage=stage, kept_min=kept, kept_mean=kept,
+                                     key_rel_err=0.0, value_rel_err=0.0)
+                                for stage in ("compressed", "final") for layer in range(2)]
+                    write_run(root, sweep_id, method, run, steps, evidence)
                     all_runs.append(dict(run, sweep_id=sweep_id, method=method))
                     all_steps += [dict(s, sweep_id=sweep_id, method=method) for s in steps]
         # a failed run: its perfect score must not count anywhere
@@ -293,8 +299,8 @@ def test_render_reports_prints_every_report(fixture_results):
 
     text = render_reports(fixture_results[0])
     titles = re.findall(r"^== (\w+) \((\d+) rows\)$", text, flags=re.M)
-    assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["summary", "paired", "pareto", "degradation",
-                                                               "speed_memory", "compare_sweeps"]
+    assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["summary", "paired", "evidence", "pareto",
+                                                               "degradation", "speed_memory", "compare_sweeps"]
     assert all(int(n) > 0 for _, n in titles)
     assert "score_ci_low" in text and "decode_ms_p50" in text
 
@@ -311,13 +317,13 @@ def test_html_report_in_headless_chromium(fixture_results, tmp_path):
     page = write_html(fixture_results[0], str(tmp_path / "report.html"))
     text = page.read_text()
     images = re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
-    assert len(images) == 4 == text.count("<img ")
+    assert len(images) == 5 == text.count("<img ")
     for encoded in images:
         pixels = _png_pixels(base64.b64decode(encoded))
         assert pixels.shape[0] > 200 and pixels.shape[1] > 300
         assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::7]}) > 1  # not a flat image
     assert "http://" not in text and "https://" not in text and "<script" not in text  # self-contained
-    assert text.count("<table>") == 6 and "sweep s2" in text  # default: the newest sweep
+    assert text.count("<table>") == 7 and "sweep s2" in text  # default: the newest sweep
 
     chromium = "/usr/bin/chromium"
     if not Path(chromium).exists():
@@ -351,7 +357,7 @@ def test_publish_artifacts_to_a_real_prefect_server(fixture_results):
     with prefect_test_harness(server_startup_timeout=60):
         keys = publish(fixture_results[0], "s2")
         assert keys == {name: f"sweep-s2-{name.replace('_', '-')}" for name in
-                        ["summary", "paired", "pareto", "degradation", "speed_memory", "compare_sweeps"]}
+                        ["summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps"]}
         stored = {name: Artifact.get(key) for name, key in keys.items()}
     summary = stored["summary"]
     assert summary.type == "table"
@@ -387,7 +393,7 @@ def test_html_report_handles_configs_tied_on_compression_ratio(tmp_path):
               make_steps(rid, [0.1, 0.2], [True, True]))
     write(root, "tie", "full", make_run("f", "full", 1.0, 1000), make_steps("f", [0.0, 0.0], [True, True]))
     page = html(root, str(tmp_path / "report.html")).read_text()
-    assert page.count("<img") == 4
+    assert page.count("<img") == 5
 
 
 def test_paired_report_matches_the_summary_and_names_unresolved_differences(fixture_results):
@@ -413,3 +419,19 @@ def test_paired_report_matches_the_summary_and_names_unresolved_differences(fixt
     columns, rows = run_report(with_baseline, "paired")
     for p in (dict(zip(columns, r)) for r in rows):
         assert p["n_baseline"] == p["n"] and p["diff_vs_baseline"] == pytest.approx(p["diff_vs_full"])
+
+
+def test_evidence_report_splits_scores_by_evidence_kept(fixture_results):
+    from tasks.report import connect, run_report
+
+    columns, rows = run_report(connect(fixture_results[0]), "evidence")
+    records = [dict(zip(columns, r)) for r in rows]
+    assert records
+    for r in records:
+        if r["evidence_kept_when_correct"] is not None:
+            assert r["evidence_kept_when_correct"] == 1.0
+        if r["evidence_kept_when_wrong"] is not None and r["config_label"] != "full":
+            assert r["evidence_kept_when_wrong"] == 0.5
+        assert r["runs_all_kept"] + r["runs_some_lost"] == r["runs"]
+        if r["runs_some_lost"] and r["config_label"] != "full":
+            assert r["score_when_some_lost"] < 1.0

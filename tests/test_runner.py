@@ -118,3 +118,29 @@ def test_query_agnostic_compresses_the_context_before_the_question(embedded):
     # the budget is relative to the context part: 64 tokens kept after the question went through
     assert agnostic.run["tokens_kept"] == aware.run["tokens_kept"] == 64
     assert prompt.question_start < len(prompt.tokens)
+
+
+def test_evidence_survival_per_layer_and_stage(embedded):
+    model, tokenizer = embedded
+    params = {"task": "niah_single_2", "context_tokens": 512, "num_samples": 1, "seed": 0}
+    sample = load_dataset("ruler", tokenizer=tokenizer, **params)[0]
+    prompt = datasets.sample_prompt(sample, tokenizer)
+    (start, end), = prompt.evidence
+    methods = [method_config("full"), method_config("kivi", bits=2),
+               method_config("streaming", budget=end + 4, n_sink=4),  # keeps the needle only if it is early
+               method_config("streaming", budget=64, n_sink=4)]
+    full, kivi, early, late = run_sample(model, tokenizer, sample, methods, context_for("ruler", params, None))
+    layers = len(model.layers)
+    for record in (full, kivi, early, late):
+        assert [(r["layer"], r["stage"]) for r in record.evidence] == \
+            [(i, s) for s in ("compressed", "final") for i in range(layers)]
+    assert all(r["kept_min"] == 1.0 and r["key_rel_err"] == 0.0 == r["value_rel_err"] for r in full.evidence)
+    assert all(r["kept_min"] == 1.0 and 0.05 < r["key_rel_err"] < 1.0 for r in kivi.evidence)  # 2-bit codes
+    # a recent window of 64 tokens after a 512-token prompt: the needle (earlier) is gone
+    needle_is_early = end + 4 < len(prompt.tokens) - 64
+    if needle_is_early:
+        assert all(r["kept_mean"] == 0.0 for r in late.evidence) and late.run["evidence_kept"] == 0.0
+    assert full.run["evidence_kept"] == 1.0 == kivi.run["evidence_kept"]
+    compressed = [r for r in early.evidence if r["stage"] == "compressed"]
+    kept = sum(1 for p in range(start, end) if p < 4 or p >= len(prompt.tokens) - (end + 4 - 4)) / (end - start)
+    assert all(r["kept_mean"] == pytest.approx(kept) for r in compressed)

@@ -15,6 +15,9 @@ Caches follow mlx-lm's protocol (`offset`, `update_and_fetch`, `state`, `make_ma
   `scaled_dot_product_attention` (kvcompress/attention.py) calls it instead of the fused kernel, so
   a cache can see the real post-RoPE queries or attend over packed codes.
 - `live_kv_bytes` / `tokens_kept`: the bytes of the arrays the cache holds for the tokens it holds.
+- `kept_positions` / `held_kv`: which original positions a cache still holds and their keys and
+  values as attention sees them (evidence survival, kvcompress/evidence.py). Methods that keep
+  every token need only `held_kv` (quantizers: their `dequantized()`); eviction methods override both.
 """
 
 from __future__ import annotations
@@ -101,6 +104,15 @@ class CompressedCache(_BaseCache):
     def from_prefill(self, keys: mx.array, values: mx.array, queries: mx.array | None) -> None:
         # keys, values: [B, H_kv, T, D] post-RoPE; queries: [B, H_q, T, D] or None
         self.update_and_fetch(keys, values)
+
+    def kept_positions(self) -> mx.array | None:
+        """True sequence positions of the tokens held, [B * H_kv, n_kept] in the order of
+        `held_kv`; None when every position 0 .. offset - 1 is held, in order (no eviction)."""
+        return None
+
+    def held_kv(self) -> tuple[mx.array, mx.array]:
+        """Keys and values [B, H_kv, n_kept, D] as attention sees them (dequantized where packed)."""
+        return self.dequantized()
 
     @property
     def live_kv_bytes(self) -> int:

@@ -294,6 +294,13 @@ class KeyformerCache(CompressedCache):
     def trim(self, n):
         return 0
 
+    def kept_positions(self):
+        return self.positions
+
+    def held_kv(self):
+        R, n, D = self.keys.shape
+        return self.keys.reshape(self.batch, R // self.batch, n, D), self.values.reshape(self.batch, R // self.batch, n, D)
+
     @property
     def tokens_kept(self) -> int:
         return 0 if self.keys is None else self.keys.shape[1]

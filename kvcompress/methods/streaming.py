@@ -68,6 +68,17 @@ class StreamingCache(CompressedCache):
         # stored keys are [kept..., new N]: causal relative to the kept count, not the position
         return create_attention_mask(N, self.tokens_kept, return_array, window_size)
 
+    def kept_positions(self):
+        n = self.tokens_kept
+        if n == self.offset:
+            return None
+        recent = n - self.n_sink  # sinks, then the most recent tokens up to offset
+        positions = mx.concatenate([mx.arange(self.n_sink), mx.arange(self.offset - recent, self.offset)])
+        return mx.broadcast_to(positions, (self.keys.shape[0] * self.keys.shape[1], n))
+
+    def held_kv(self):
+        return self.keys, self.values
+
     @property
     def tokens_kept(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]

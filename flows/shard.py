@@ -17,7 +17,7 @@ from tasks.sweep import run_shard
 
 
 @flow(name="sweep-shard")
-def sweep_shard(shard: dict[str, Any], model: str, decode_steps: int, sweep_id: str, results: str,
+def sweep_shard(shard: dict[str, Any], model: str, decode_steps: int | None, sweep_id: str, results: str,
                 run_timeout_s: float | None = None) -> dict:
     validate_sweep_id(sweep_id)
     return run_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s)

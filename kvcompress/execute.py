@@ -26,7 +26,7 @@ def shard_methods(shard: dict[str, Any]) -> list:
     return [method_config(**json.loads(m)) for m in shard["methods"]]
 
 
-def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int, sweep_id: str, results: str,
+def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int | None, sweep_id: str, results: str,
                   run_timeout_s: float | None = None) -> dict:
     """Run a shard's unfinished methods; returns counts {"skipped", "ran", "failed"}.
 

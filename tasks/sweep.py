@@ -41,7 +41,7 @@ def plan_sweep(grid: str | dict[str, Any]) -> dict[str, Any]:
 @task(name="run-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30],
       retry_condition_fn=retry_unless_config_error,
       task_run_name="run-shard-{shard[dataset]}-{shard[sample_index]}")
-def run_shard(shard: dict[str, Any], model: str, decode_steps: int, sweep_id: str, results: str,
+def run_shard(shard: dict[str, Any], model: str, decode_steps: int | None, sweep_id: str, results: str,
               run_timeout_s: float | None = None) -> dict:
     """One dataset sample through every unfinished method: one prefill, results written per run.
 

@@ -19,9 +19,13 @@ def main() -> None:
     parser.add_argument("grid")
     parser.add_argument("--results", default="results")
     parser.add_argument("--sweep-id", default=None)
+    parser.add_argument("--interleave", action="store_true",
+                        help="sample 0 of every dataset, then sample 1, ...: a stopped run has every cell at similar n")
     args = parser.parse_args()
     spec = load_spec(args.grid)
     shards = spec.shards()
+    if args.interleave:
+        shards = sorted(shards, key=lambda s: s.sample_index)  # stable: dataset order within an index
     start = time.time()
     for i, shard in enumerate(shards):
         counts = execute_shard(shard.to_dict(), spec.model, spec.decode_steps, args.sweep_id or spec.name,

@@ -33,17 +33,18 @@ def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int | No
     `shard` is plain JSON (see `kvcompress.sweep.Shard.to_dict`) so a Prefect task can take it.
     """
     model, tokenizer = load_model(model_name)
-    sample = load_samples(shard["dataset"], shard["dataset_params"], model_name)[shard["sample_index"]]
+    first = shard["sample_index"]
+    samples = load_samples(shard["dataset"], shard["dataset_params"], model_name)[first:first + shard.get("rows", 1)]
     context = RunContext(model_name, model_fingerprint(model_name), shard["dataset"], shard["dataset_params"], decode_steps,
                          run_timeout_s)
     finished = finished_run_ids(results, sweep_id)
     methods = shard_methods(shard)
     protocols = tuple(shard.get("protocols") or ("query_aware",))
 
-    def pending(method, protocol) -> bool:
+    def pending(sample, method, protocol) -> bool:
         return run_id(run_config(context, sample, method, protocol)) not in finished
 
-    todo = [(m, p) for p in protocols for m in methods if pending(m, p)]
+    todo = [(s, m, p) for s in samples for p in protocols for m in methods if pending(s, m, p)]
     window = context_window(model_name)
     beyond_window = bool(window and json.loads(shard["dataset_params"]).get("context_tokens", 0) > window)
 
@@ -54,11 +55,8 @@ def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int | No
 
     failed = 0
     if todo:
-        records = run_sample(
-            model, tokenizer, sample, [m for m in methods if any(m is t for t, _ in todo)], context,
-            on_record=write, protocols=tuple(p for p in protocols if any(q == p for _, q in todo)),
-            pending=pending,
-        )
+        records = run_sample(model, tokenizer, samples, methods, context, on_record=write, protocols=protocols,
+                             pending=pending)
         failed = sum(r.run["status"] != "ok" for r in records)
-    total = len(methods) * len(protocols)
+    total = len(samples) * len(methods) * len(protocols)
     return {"skipped": total - len(todo), "ran": len(todo), "failed": failed}

@@ -110,6 +110,10 @@ class RecordingKVCache(KVCache):
         self.prompt_queries = mx.concatenate(self.chunks, axis=2)
         self.chunks = []
 
+    def reopen(self) -> None:
+        """Record again: the prompt continues (another question after a shared context)."""
+        self.chunks, self.prompt_queries = [self.prompt_queries], None
+
 
 def prefill(model, prompt: list[int], record_queries: bool, split: int | None = None):
     """Full-attention prefill in chunks that break at `split`.
@@ -220,15 +224,57 @@ class Reference:
         return len(self.tokens)
 
 
+@dataclass
+class SharedContext:
+    """A context part prefilled once for several questions about it."""
+
+    tokens: list[int]  # prompt[:question_start], the same for every question
+    caches: list  # full caches holding exactly the context part (copied for each question)
+    kv: list  # per layer (keys, values) of the context part
+    logits: mx.array  # at the last context position
+    prefill_s: float
+
+
+def share_context(model, tokenizer, sample: dict, methods: list[Method]) -> SharedContext:
+    """Prefill the context part of `sample` (and of every question about the same context)."""
+    prompt = datasets.sample_prompt(sample, tokenizer)
+    head = prompt.tokens[:prompt.question_start]
+    caches, logits, seconds, (kv, _) = prefill(model, head, any(m.needs_queries for m in methods), len(head))
+    return SharedContext(head, caches, kv, logits, seconds)
+
+
+def continue_prefill(model, shared: SharedContext, prompt: list[int]) -> tuple[list, mx.array, float]:
+    """A copy of the shared context's caches with the rest of `prompt` fed: (caches, logits, seconds)."""
+    if prompt[:len(shared.tokens)] != shared.tokens:
+        raise ValueError("samples of one shard must share their context part")
+    caches = copy.deepcopy(shared.caches)
+    recording = [c for c in caches if isinstance(c, RecordingKVCache)]
+    for cache in recording:
+        cache.reopen()
+    start = time.perf_counter()
+    logits = shared.logits
+    for begin in range(len(shared.tokens), len(prompt), PREFILL_CHUNK):
+        logits = model(mx.array(prompt[begin:begin + PREFILL_CHUNK])[None], cache=caches)[0, -1]
+        mx.eval(logits, [c.state for c in caches])
+    for cache in recording:
+        cache.finish_prompt()
+    return caches, logits, shared.prefill_s + time.perf_counter() - start
+
+
 def reference(model, tokenizer, sample: dict, methods: list[Method], decode_steps: int | None,
-              protocols: tuple[str, ...] = ("query_aware",)) -> Reference:
+              protocols: tuple[str, ...] = ("query_aware",), shared: SharedContext | None = None) -> Reference:
+    """The sample's full prefill and reference answer; from a copy of `shared` when given."""
     prompt = datasets.sample_prompt(sample, tokenizer)
     continuation = datasets.reference_tokens(sample, tokenizer)
     budget = len(continuation) if continuation is not None else datasets.max_answer_tokens(sample)
     cap = budget if decode_steps is None else min(budget, decode_steps)
     agnostic = "query_agnostic" in protocols
-    caches, first_logits, prefill_s, context = prefill(
-        model, prompt.tokens, any(m.needs_queries for m in methods), prompt.question_start if agnostic else None)
+    if shared is None:
+        caches, first_logits, prefill_s, context = prefill(
+            model, prompt.tokens, any(m.needs_queries for m in methods), prompt.question_start if agnostic else None)
+    else:
+        caches, first_logits, prefill_s = continue_prefill(model, shared, prompt.tokens)
+        context = (shared.kv, shared.logits) if agnostic else None
     prompt_kv = [c.keys_and_values() for c in caches]
     eos = set(tokenizer.eos_token_ids)
     tokens, logits = reference_decode(model, caches, first_logits, continuation, cap, eos)
@@ -248,52 +294,71 @@ def reference(model, tokenizer, sample: dict, methods: list[Method], decode_step
 def run_sample(
     model,
     tokenizer,
-    sample: dict,
+    sample: dict | list[dict],
     methods: list[Method],
     context: RunContext,
     on_record: Callable[[RunRecord], None] | None = None,
     protocols: tuple[str, ...] = ("query_aware",),
-    pending: Callable[[Method, str], bool] | None = None,
+    pending: Callable[[dict, Method, str], bool] | None = None,
 ) -> list[RunRecord]:
-    """Run every method under every protocol on one sample (those `pending(method, protocol)`
-    accepts, when given); `on_record` sees each record as soon as it exists. Records come protocol
-    by protocol, methods in order."""
+    """Run every method under every protocol on one sample, or on several questions about one
+    context (a list of samples sharing their context part: one context prefill, and under
+    query_agnostic one compression per method, each question answered from its own copy).
+
+    Only cells `pending(sample, method, protocol)` accepts run, when given; `on_record` sees each
+    record as soon as it exists. Records come sample by sample, protocol by protocol, methods in order.
+    """
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown or not protocols:
         raise ValueError(f"protocols: expected a non-empty list of {list(PROTOCOLS)}, got {list(protocols)!r}")
-    ref = reference(model, tokenizer, sample, methods, context.decode_steps, tuple(protocols))
+    samples = sample if isinstance(sample, list) else [sample]
+    shared = share_context(model, tokenizer, samples[0], methods) if len(samples) > 1 else None
+    compressed: dict[str, list] = {}  # query_agnostic: method -> its compressed context, made once
     records = []
-    for protocol in protocols:
-        for method in methods:
-            if pending is not None and not pending(method, protocol):
-                continue
-            record = run_method(model, tokenizer, sample, method, context, ref, protocol)
+    for one in samples:
+        todo = [(p, m) for p in protocols for m in methods if pending is None or pending(one, m, p)]
+        if not todo:
+            continue
+        ref = reference(model, tokenizer, one, methods, context.decode_steps, tuple(protocols), shared)
+        for protocol, method in todo:
+            base = None
+            if protocol == "query_agnostic" and shared is not None:
+                if method.to_json() not in compressed:
+                    compressed[method.to_json()] = compress_context(model, method, ref)
+                base = compressed[method.to_json()]
+            record = run_method(model, tokenizer, one, method, context, ref, protocol, base)
             records.append(record)
             if on_record is not None:
                 on_record(record)
     return records
 
 
-def compress(model, method: Method, ref: Reference, protocol: str) -> tuple[list, mx.array]:
+def compress_context(model, method: Method, ref: Reference) -> list:
+    """The method's cache holding the compressed context part only (query_agnostic)."""
+    T = ref.question_start
+    queries = [c.prompt_queries[:, :, :T] for c in ref.prefilled] if method.needs_queries else None
+    return derive_cache(model, method, ref.context_kv, queries)
+
+
+def compress(model, method: Method, ref: Reference, protocol: str, base: list | None = None) -> tuple[list, mx.array]:
     """The method's cache after the whole prompt, and its logits [V] predicting y_0.
 
     query_aware: the whole prompt's keys/values are compressed (the full prefill's logits predict
-    y_0). query_agnostic: only the context part is compressed, then the question part is fed
-    through the compressed cache, whose last logits predict y_0.
+    y_0). query_agnostic: only the context part is compressed (or `base`, a compressed context
+    shared by several questions, is copied), then the question part is fed through the compressed
+    cache, whose last logits predict y_0.
     """
     layers = ref.prefilled
     if protocol == "query_aware":
         queries = [c.prompt_queries for c in layers] if method.needs_queries else None
         return derive_cache(model, method, [c.keys_and_values() for c in layers], queries), ref.logits[0]
-    T = ref.question_start
-    queries = [c.prompt_queries[:, :, :T] for c in layers] if method.needs_queries else None
-    caches = derive_cache(model, method, ref.context_kv, queries)
-    question = ref.prompt[T:]
+    caches = copy.deepcopy(base) if base is not None else compress_context(model, method, ref)
+    question = ref.prompt[ref.question_start:]
     return caches, feed(model, question, caches) if question else ref.context_logits
 
 
 def run_method(model, tokenizer, sample: dict, method: Method, context: RunContext, ref: Reference,
-               protocol: str = "query_aware") -> RunRecord:
+               protocol: str = "query_aware", base: list | None = None) -> RunRecord:
     """One method on one sample under one protocol: compress, decode teacher-forced, then free-running."""
     config = run_config(context, sample, method, protocol)
     row: dict[str, Any] = {
@@ -324,7 +389,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         baseline = mx.get_active_memory()  # weights, the shared full caches and reference logits
         mx.reset_peak_memory()
         start = time.perf_counter()
-        caches, first_logits = compress(model, method, ref, protocol)
+        caches, first_logits = compress(model, method, ref, protocol, base)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
         full_kv = [c.keys_and_values() for c in ref.prefilled]
         evidence = evidence_rows(caches, full_kv, ref.evidence, "compressed")

@@ -90,13 +90,15 @@ class MethodAxis:
 
 @dataclass(frozen=True)
 class Shard:
-    """One dataset (at one context length) sample index, with every method cell."""
+    """One dataset (at one context length) context: its rows sample_index .. sample_index + rows - 1
+    (several questions about one context, or one sample), with every method cell and protocol."""
 
     dataset: str
     dataset_params: dict[str, Any]
     sample_index: int
     methods: tuple[Method, ...]
     protocols: tuple[str, ...] = ("query_aware",)
+    rows: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON form (what Prefect tasks take and `kvcompress.execute` reads)."""
@@ -106,6 +108,7 @@ class Shard:
             "sample_index": self.sample_index,
             "methods": [m.to_json() for m in self.methods],
             "protocols": list(self.protocols),
+            "rows": self.rows,
         }
 
 
@@ -126,12 +129,14 @@ class SweepSpec:
 
     def shards(self) -> list[Shard]:
         methods = self._expand()
-        return [
-            Shard(axis.name, axis.loader_params(length), index, tuple(methods), tuple(self.protocol))
-            for axis in self.datasets
-            for length in axis.context_tokens
-            for index in range(datasets.dataset_config(axis.name, axis.loader_params(length)).rows())
-        ]
+        shards = []
+        for axis in self.datasets:
+            for length in axis.context_tokens:
+                config = datasets.dataset_config(axis.name, axis.loader_params(length))
+                per_context = config.rows_per_context
+                shards += [Shard(axis.name, axis.loader_params(length), index, tuple(methods), tuple(self.protocol),
+                                 per_context) for index in range(0, config.rows(), per_context)]
+        return shards
 
     def _expand(self) -> list[Method]:
         errors: list[str] = []
@@ -194,9 +199,10 @@ class SweepSpec:
         # reference decode + per method and protocol a teacher-forced and a free-running decode
         # (answers end at EOS, usually well before the budget: 32 tokens each is a rough guess)
         steps = self.decode_steps or 32
-        decode_tokens = len(shards) * steps * (1 + 2 * len(methods) * len(self.protocol))
+        rows = sum(s.rows for s in shards)
+        decode_tokens = rows * steps * (1 + 2 * len(methods) * len(self.protocol))
         seconds = prefill_tokens / PREFILL_TOK_S + decode_tokens / DECODE_TOK_S
-        return {"runs": len(shards) * len(methods) * len(self.protocol), "shards": len(shards), "methods": len(methods),
+        return {"runs": rows * len(methods) * len(self.protocol), "shards": len(shards), "methods": len(methods),
                 "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "estimated_cpu_s": round(seconds)}
 
 

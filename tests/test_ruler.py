@@ -162,3 +162,24 @@ def test_bad_parameters_name_the_field(params, field):
     with pytest.raises(ConfigError) as err:
         validate("ruler", params)
     assert str(err.value).startswith(field)
+
+
+def test_several_questions_about_one_haystack(tok):
+    rows = load_dataset("ruler", tokenizer=tok, task="niah_single_2", questions=3, context_tokens=1024,
+                        num_samples=2, seed=0).to_list()
+    assert len(rows) == 6 and [r["id"][-3:] for r in rows] == ["-q0", "-q1", "-q2"] * 2
+    first = rows[:3]
+    assert len({r["context"] for r in first}) == 1 and len({r["question"] for r in first}) == 3
+    assert len({r["answers"][0] for r in first}) == 3
+    for r in first:
+        prompt = sample_prompt(r, tok)
+        (a, b), = prompt.evidence  # each question's evidence is its own needle
+        assert r["answers"][0] in tok.decode(prompt.tokens[a:b])
+        assert len(prompt.tokens) + 128 <= 1024
+    single = load_dataset("ruler", tokenizer=tok, task="niah_single_2", context_tokens=1024, num_samples=1,
+                          seed=0)[0]
+    assert single["id"] == "niah_single_2-1024-s0-0"  # questions=1 keeps the one-question ids
+    with pytest.raises(ConfigError, match="questions"):
+        validate("ruler", {"questions": 0})
+    with pytest.raises(ConfigError, match="task"):
+        validate("ruler", {"task": ["vt"], "questions": 2})

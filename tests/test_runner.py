@@ -144,3 +144,26 @@ def test_evidence_survival_per_layer_and_stage(embedded):
     compressed = [r for r in early.evidence if r["stage"] == "compressed"]
     kept = sum(1 for p in range(start, end) if p < 4 or p >= len(prompt.tokens) - (end + 4 - 4)) / (end - start)
     assert all(r["kept_mean"] == pytest.approx(kept) for r in compressed)
+
+
+def test_several_questions_on_one_context_share_one_compression_per_method(embedded, monkeypatch):
+    from kvcompress import runner
+
+    model, tokenizer = embedded
+    params = {"task": "niah_multikey_1", "context_tokens": 512, "num_samples": 1, "seed": 0, "questions": 2}
+    samples = load_dataset("ruler", tokenizer=tokenizer, **params).to_list()
+    assert len(samples) == 2 and samples[0]["context"] == samples[1]["context"]
+    methods = [method_config("full"), method_config("streaming", budget=0.5)]
+    calls = []
+    real = runner.derive_cache
+    monkeypatch.setattr(runner, "derive_cache", lambda *a: calls.append(a[1].name) or real(*a))
+    together = run_sample(model, tokenizer, samples, methods, context_for("ruler", params, None),
+                          protocols=("query_aware", "query_agnostic"))
+    assert [(r.run["sample_id"], r.run["protocol"]) for r in together] == [
+        (s["id"], p) for s in samples for p in ("query_aware", "query_agnostic") for _ in methods]
+    # query_aware compresses each question's whole prompt; query_agnostic the context once per method
+    assert sorted(calls) == sorted(["full", "streaming"] * 2 + ["full", "streaming"])
+    alone = [r for s in samples for r in run_sample(model, tokenizer, s, methods, context_for("ruler", params, None),
+                                                  protocols=("query_aware", "query_agnostic"))]
+    assert [r.run["prediction"] for r in together] == [r.run["prediction"] for r in alone]
+    assert [r.run["run_id"] for r in together] == [r.run["run_id"] for r in alone]

@@ -95,3 +95,17 @@ def test_rerun_skips_finished_runs_and_isolates_failures(tmp_path, embedded):
     status = {r["method"]: (r["status"], r["error"]) for r in runs}
     assert status["full"] == ("ok", None) and status["streaming"][0] == "ok"
     assert status["mlx-quant"][0] == "error" and "group_size" in status["mlx-quant"][1]
+
+
+def test_ruler_task_lists_and_questions_become_one_shard_per_context():
+    from kvcompress.sweep import load_spec
+
+    spec = load_spec({"name": "q", "protocol": ["query_aware", "query_agnostic"],
+                      "datasets": [{"name": "ruler", "params": {"task": ["niah_single_2", "niah_multikey_1"],
+                                                                "questions": 2},
+                                    "context_tokens": [1024], "num_samples": 2}],
+                      "methods": [{"name": "full"}]})
+    shards = spec.shards()
+    assert [(s.sample_index, s.rows) for s in shards] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert all(s.to_dict()["protocols"] == ["query_aware", "query_agnostic"] for s in shards)
+    assert spec.estimate()["runs"] == 8 * 2  # rows x methods x protocols

@@ -65,8 +65,13 @@ class DatasetConfig:
         raise NotImplementedError
 
     def rows(self) -> int:
-        """Rows `load` builds (a sweep makes one shard per row)."""
+        """Rows `load` builds."""
         return self.num_samples
+
+    @property
+    def rows_per_context(self) -> int:
+        """Consecutive rows that share one context (a sweep makes one shard per context)."""
+        return 1
 
     def rng(self, index: int) -> random.Random:
         """Sample `index`'s own generator: sample i is the same whatever num_samples is."""

@@ -10,7 +10,8 @@ Tasks, as RULER's scripts/synthetic.yaml configures them:
 - vt: variable tracking, one chain of 4 hops in noise, with one in-context example;
 - cwe: common words extraction (10 common words x6 among words seen once; one example);
 - fwe: frequent words extraction (coded words drawn from a zeta(2) distribution);
-- qa_1 / qa_2 (SQuAD / HotpotQA) are not generated here: they need hub data (see `ruler_qa.py`).
+- qa_1 / qa_2 (SQuAD / HotpotQA) are not generated here: they need hub data (their templates and
+  `string_match_part` scorer are in tasks.py).
 
 Every prompt is the RULER task template (constants.py) as one chat user turn, then the chat
 template's generation prompt, then RULER's answer prefix; the whole prompt plus the task's answer
@@ -98,12 +99,25 @@ class Built:
     evidence_chars: list[list[int]]
     few_shot: str = ""
     info: dict[str, Any] | None = None
+    # further questions about the same context: (question, answers, answer prefix, evidence spans)
+    more: list[tuple[str, list[str], str, list[list[int]]]] | None = None
+
+    def rows(self) -> list["Built"]:
+        """One Built per question, all on this context."""
+        first = Built(self.context, self.question, self.answers, self.answer_prefix, self.evidence_chars,
+                      self.few_shot, self.info)
+        return [first] + [Built(self.context, q, a, p, e, self.few_shot, self.info) for q, a, p, e in self.more or []]
 
 
-def niah(task: str, rng: random.Random, tag: str) -> tuple[Callable[[int], Built], int]:
+def niah(task: str, rng: random.Random, tag: str, questions: int = 1) -> tuple[Callable[[int], Built], int]:
     """RULER niah.py: needles "One of the special magic {numbers|uuids} for KEY is: VALUE." in a
-    haystack of noise sentences, essay sentences or distractor needles."""
+    haystack of noise sentences, essay sentences or distractor needles.
+
+    `questions` > 1 asks that many questions about one haystack, each about its own key(s); the
+    haystack then holds at least questions x (keys asked) keys, so each needle is another
+    question's distractor."""
     haystack, key_kind, value_kind, num_keys, values_per_key, num_asked = NIAH[task]
+    num_keys = max(num_keys, questions * num_asked)
     keys: list[str] = []
     while len(keys) < num_keys:
         key = random_value(rng, key_kind)
@@ -112,11 +126,16 @@ def niah(task: str, rng: random.Random, tag: str) -> tuple[Callable[[int], Built
     needles = [f"One of the special magic {value_kind} for {key} is: {value}."
                for key, vs in zip(keys, values) for value in vs]
     rng.shuffle(needles)
-    asked = rng.sample(range(num_keys), num_asked)
-    names = [keys[k] for k in asked]
-    query = ", ".join(names[:-1]) + ", and " + names[-1] if len(names) > 1 else names[0]
-    question, answer_prefix = niah_question(query, one=num_asked * values_per_key == 1, kind=value_kind)
-    answers = [value for k in asked for value in values[k]]
+    drawn = rng.sample(range(num_keys), num_asked * questions)
+    asked_sets = [drawn[j * num_asked:(j + 1) * num_asked] for j in range(questions)]
+
+    def ask(asked: list[int]) -> tuple[str, list[str], str, list[str]]:
+        names = [keys[k] for k in asked]
+        query = ", ".join(names[:-1]) + ", and " + names[-1] if len(names) > 1 else names[0]
+        question, answer_prefix = niah_question(query, one=num_asked * values_per_key == 1, kind=value_kind)
+        return question, [value for k in asked for value in values[k]], answer_prefix, names
+
+    asks = [ask(a) for a in asked_sets]
     if haystack == "essay":
         depths = rng.sample(DEPTHS, len(needles))
         start = rng.choice(essays.sentence_starts())
@@ -144,8 +163,13 @@ def niah(task: str, rng: random.Random, tag: str) -> tuple[Callable[[int], Built
             lines = [(NOISE if haystack == "noise" else distractor(i), False) for i in range(size)]
             insert_at_fractions(lines, needles, fractions)
             context, spans = join_tracked(lines, "\n")
-        return Built(context, question, answers, answer_prefix, spans,
-                     info={"keys": keys, "asked": names, "needles": needles, "haystack": haystack})
+        # a question's evidence: the needles of the keys it asks (the others are its distractors)
+        texts = sorted(needles, key=context.index)
+        rows = [(q, a, p, [span for span, text in zip(spans, texts) if any(f" for {n} is: " in text for n in names)])
+                for q, a, p, names in asks]
+        (question, answers, answer_prefix, evidence), more = rows[0], rows[1:]
+        return Built(context, question, answers, answer_prefix, evidence,
+                     info={"keys": keys, "asked": asks[0][3], "needles": needles, "haystack": haystack}, more=more)
 
     return build, 10**9
 
@@ -270,16 +294,22 @@ class Ruler(DatasetConfig):
     name: ClassVar[str] = "ruler"
     task: str | list[str] | tuple[str, ...] = OFFLINE_TASKS
     context_tokens: int = 1024
-    num_samples: int = 4
+    num_samples: int = 4  # contexts per task
     seed: int = 0
+    questions: int = 1  # questions per context (niah tasks): one row each, consecutive rows share a context
 
     def __post_init__(self) -> None:
         names = [self.task] if isinstance(self.task, str) else self.task
         ok = isinstance(names, (list, tuple)) and len(names) > 0 and all(n in OFFLINE_TASKS for n in names)
         check(ok, "task", f"one of {list(OFFLINE_TASKS)} or a non-empty list of them "
-              "(qa_1/qa_2 need hub data: dataset 'ruler_qa')", self.task)
+              "(qa_1/qa_2 need SQuAD/HotpotQA from the hub and are not generated here)", self.task)
         super().__post_init__()
         self.check_num_samples(allow_all=False)
+        ok = isinstance(self.questions, int) and not isinstance(self.questions, bool) and 1 <= self.questions <= 16
+        check(ok, "questions", "an int in [1, 16]", self.questions)
+        if self.questions > 1:
+            check(isinstance(names, (list, tuple)) and all(n in NIAH for n in names), "task",
+                  f"niah tasks only when questions > 1 (one of {list(NIAH)})", self.task)
         if "vt" in names:  # its in-context example alone takes ~500 tokens
             check(self.context_tokens >= 1024, "context_tokens", "at least 1024 when task includes 'vt'",
                   self.context_tokens)
@@ -289,17 +319,27 @@ class Ruler(DatasetConfig):
         return (self.task,) if isinstance(self.task, str) else tuple(self.task)
 
     def rows(self) -> int:
-        return self.num_samples * len(self.tasks)
+        return self.num_samples * len(self.tasks) * self.questions
+
+    @property
+    def rows_per_context(self) -> int:
+        return self.questions
 
     def load(self, tokenizer=None):
         tokenizer = resolve_tokenizer(tokenizer)
-        return to_dataset([self.sample(task, i, tokenizer) for task in self.tasks for i in range(self.num_samples)])
+        return to_dataset([row for task in self.tasks for i in range(self.num_samples)
+                           for row in self.samples(task, i, tokenizer)])
 
     def sample(self, task: str, index: int, tokenizer) -> dict:
+        """The first (with questions=1, the only) row of context `index` of `task`."""
+        return self.samples(task, index, tokenizer)[0]
+
+    def samples(self, task: str, index: int, tokenizer) -> list[dict]:
+        """The rows of context `index` of `task`: one per question, all on the same context."""
         tag = f"ruler:{task}:{self.seed}:{index}"
         rng = random.Random(tag)
         if task in NIAH:
-            build, upper = niah(task, rng, tag)
+            build, upper = niah(task, rng, tag, self.questions)
         elif task == "vt":
             build, upper = vt(task, rng, tag, tokenizer)
         elif task == "cwe":
@@ -308,23 +348,24 @@ class Ruler(DatasetConfig):
             build, upper = fwe(task, rng, tag, self.context_tokens)
         budget = answer_budget(task)
 
-        def measure(size: int) -> int:  # RULER: prompt + tokens_to_generate <= max_seq_length
-            b = build(size)
-            return len(encode_prompt(tokenizer, task, b.context, b.question, b.answer_prefix, b.few_shot)) + budget
+        def measure(size: int) -> int:  # RULER: prompt + tokens_to_generate <= max_seq_length (every question)
+            return max(len(encode_prompt(tokenizer, task, b.context, b.question, b.answer_prefix, b.few_shot))
+                       for b in build(size).rows()) + budget
 
         if NIAH.get(task, ("",))[0] == "essay":
             upper = len(essays.words())
         size = fit_largest(measure, self.context_tokens, upper=min(upper, self.context_tokens))
-        b = build(size)
-        return {
-            "id": f"{task}-{self.context_tokens}-s{self.seed}-{index}",
+        context_id = f"{task}-{self.context_tokens}-s{self.seed}-{index}"
+        return [{
+            "id": context_id if self.questions == 1 else f"{context_id}-q{j}",
             "task": task,
             "context": b.context,
             "question": b.question,
             "answers": b.answers,
-            "context_tokens": measure(size) - budget,
+            "context_tokens": len(encode_prompt(tokenizer, task, b.context, b.question, b.answer_prefix, b.few_shot)),
             "metadata": metadata_json(
                 answer_prefix=b.answer_prefix, few_shot=b.few_shot, evidence_chars=b.evidence_chars,
-                haystack_size=size, answer_budget=budget, seed=self.seed, index=index, **(b.info or {}),
+                haystack_size=size, answer_budget=budget, seed=self.seed, index=index, context_id=context_id,
+                question_index=j, **(b.info or {}),
             ),
-        }
+        } for j, b in enumerate(build(size).rows())]

@@ -26,7 +26,7 @@ STAGES = ("compressed", "final")
 def held(cache) -> tuple[mx.array | None, mx.array, mx.array]:
     """(kept positions [R, n] or None, keys [B, H, n, D], values [B, H, n, D]) of one layer."""
     if isinstance(cache, QuantizedKVCache):
-        (k, v), n = cache.state, cache.offset
+        k, v, n = cache.keys, cache.values, cache.offset  # (codes, scales, biases), allocated in steps
         keys = mx.dequantize(*k, group_size=cache.group_size, bits=cache.bits)[..., :n, :]
         values = mx.dequantize(*v, group_size=cache.group_size, bits=cache.bits)[..., :n, :]
         return None, keys, values

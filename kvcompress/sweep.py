@@ -135,7 +135,7 @@ class SweepSpec:
                 config = datasets.dataset_config(axis.name, axis.loader_params(length))
                 per_context = config.rows_per_context
                 shards += [Shard(axis.name, axis.loader_params(length), index, tuple(methods), tuple(self.protocol),
-                                 per_context) for index in range(0, config.rows(), per_context)]
+                                 per_context) for index in range(0, config.row_count(), per_context)]
         return shards
 
     def _expand(self) -> list[Method]:

@@ -126,12 +126,14 @@ def test_evidence_survival_per_layer_and_stage(embedded):
     sample = load_dataset("ruler", tokenizer=tokenizer, **params)[0]
     prompt = datasets.sample_prompt(sample, tokenizer)
     (start, end), = prompt.evidence
-    methods = [method_config("full"), method_config("kivi", bits=2),
+    methods = [method_config("full"), method_config("kivi", bits=2), method_config("mlx-quant", bits=4),
                method_config("streaming", budget=end + 4, n_sink=4),  # keeps the needle only if it is early
                method_config("streaming", budget=64, n_sink=4)]
-    full, kivi, early, late = run_sample(model, tokenizer, sample, methods, context_for("ruler", params, None))
+    full, kivi, quant, early, late = run_sample(model, tokenizer, sample, methods, context_for("ruler", params, None))
     layers = len(model.layers)
-    for record in (full, kivi, early, late):
+    assert all(r.run["status"] == "ok" for r in (full, kivi, quant, early, late))
+    assert all(r["kept_min"] == 1.0 and 0.0 < r["key_rel_err"] < 0.5 for r in quant.evidence)
+    for record in (full, kivi, quant, early, late):
         assert [(r["layer"], r["stage"]) for r in record.evidence] == \
             [(i, s) for s in ("compressed", "final") for i in range(layers)]
     assert all(r["kept_min"] == 1.0 and r["key_rel_err"] == 0.0 == r["value_rel_err"] for r in full.evidence)

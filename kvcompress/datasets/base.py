@@ -64,8 +64,8 @@ class DatasetConfig:
     def load(self, tokenizer):
         raise NotImplementedError
 
-    def rows(self) -> int:
-        """Rows `load` builds."""
+    def row_count(self) -> int:
+        """Rows `load` builds (None: all rows of a hub or local source)."""
         return self.num_samples
 
     @property

@@ -318,7 +318,7 @@ class Ruler(DatasetConfig):
     def tasks(self) -> tuple[str, ...]:
         return (self.task,) if isinstance(self.task, str) else tuple(self.task)
 
-    def rows(self) -> int:
+    def row_count(self) -> int:
         return self.num_samples * len(self.tasks) * self.questions
 
     @property

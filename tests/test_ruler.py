@@ -155,7 +155,7 @@ def test_string_match_all_and_part_against_rulers_formula(prediction, answers, a
 @pytest.mark.parametrize("params, field", [
     ({"task": "niah_single_4"}, "task"),
     ({"task": []}, "task"),
-    ({"task": ["vt", "qa_1"]}, "task"),
+    ({"task": ["vt", "qa_3"]}, "task"),
     ({"task": "vt", "context_tokens": 512}, "context_tokens"),
     ({"num_samples": 0}, "num_samples"),
 ])
@@ -184,3 +184,35 @@ def test_several_questions_about_one_haystack(tok):
         validate("ruler", {"questions": 0})
     with pytest.raises(ConfigError, match="task"):
         validate("ruler", {"task": ["vt"], "questions": 2})
+
+
+DATA = __import__("pathlib").Path(__file__).parent / "data"
+
+
+def test_qa_tasks_through_the_hub_loader_on_local_files_in_its_schema(tok):
+    files = {"qa_1": str(DATA / "ruler_squad_v2.jsonl"), "qa_2": str(DATA / "ruler_hotpotqa.jsonl")}
+    rows = load_dataset("ruler", tokenizer=tok, task=["qa_1", "qa_2"], qa_files=files, context_tokens=512,
+                        num_samples=3, seed=0).to_list()
+    assert [r["task"] for r in rows] == ["qa_1"] * 3 + ["qa_2"] * 3
+    for r in rows:
+        prompt = sample_prompt(r, tok)
+        text = tok.decode(prompt.tokens)
+        assert text.endswith("<|im_start|>assistant\n Answer:") and r["question"].startswith("Question: ")
+        assert len(prompt.tokens) + 32 <= 512 and r["context"].startswith("Document ")
+        gold = [tok.decode(prompt.tokens[a:b]) for a, b in prompt.evidence]  # the gold documents
+        assert gold and all(g.strip().startswith("Document ") for g in gold)
+        assert any(answer.lower() in " ".join(gold).lower() for answer in r["answers"])
+        assert score(r, f"I think {r['answers'][-1]}.") == 1.0 and score(r, "no idea") == 0.0
+    squad = [r for r in rows if r["task"] == "qa_1"]
+    assert all(r["answers"] for r in squad)  # the unanswerable SQuAD v2 question is skipped, as RULER does
+    assert len([r for r in rows if r["task"] == "qa_2"][0]["context"].split("Document ")) - 1 >= 4
+
+
+def test_qa_tasks_from_the_hub_fail_clearly_offline(tok, monkeypatch):
+    from kvcompress.datasets import DatasetUnavailable
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DatasetUnavailable, match="data_files"):
+        load_dataset("ruler", tokenizer=tok, task="qa_1", context_tokens=512, num_samples=1)
+    with pytest.raises(ConfigError, match="qa_files"):
+        validate("ruler", {"task": "qa_1", "qa_files": {"qa_3": "x.jsonl"}})

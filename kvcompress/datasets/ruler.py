@@ -10,8 +10,10 @@ Tasks, as RULER's scripts/synthetic.yaml configures them:
 - vt: variable tracking, one chain of 4 hops in noise, with one in-context example;
 - cwe: common words extraction (10 common words x6 among words seen once; one example);
 - fwe: frequent words extraction (coded words drawn from a zeta(2) distribution);
-- qa_1 / qa_2 (SQuAD / HotpotQA) are not generated here: they need hub data (their templates and
-  `string_match_part` scorer are in tasks.py).
+- qa_1 / qa_2: SQuAD v2.0 / HotpotQA (distractor) questions with their gold paragraphs among
+  distractor documents ("Document i:"), loaded through `datasets.load_dataset` from the hub, or
+  from local files in the hub's schema (`qa_files`); scored with `string_match_part`. Not in the
+  default task list (they need the hub or files).
 
 Every prompt is the RULER task template (constants.py) as one chat user turn, then the chat
 template's generation prompt, then RULER's answer prefix; the whole prompt plus the task's answer
@@ -30,9 +32,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from ..methods.base import check
+from ..methods.base import ConfigError, check
 from . import essays
 from .base import DatasetConfig, encode_prompt, fit_largest, metadata_json, resolve_tokenizer, to_dataset
+from .hf import _is_files, load_rows
 from .niah import DEPTHS, KEYS, niah_question
 from .tasks import TASKS
 
@@ -50,6 +53,11 @@ NIAH: dict[str, tuple[str, str, str, int, int, int]] = {
     "niah_multiquery": ("essay", "words", "numbers", 4, 1, 4),
 }
 OFFLINE_TASKS = (*NIAH, "vt", "cwe", "fwe")
+# qa_1 / qa_2: RULER's SQuAD (v2.0 dev) and HotpotQA (distractor dev) through the hub loader:
+# (hub path, config, split). `qa_files` points at local JSON/JSONL/Parquet files in the same schema.
+QA_SOURCES = {"qa_1": ("rajpurkar/squad_v2", None, "validation"), "qa_2": ("hotpotqa/hotpot_qa", "distractor", "validation")}
+TASK_NAMES = (*OFFLINE_TASKS, *QA_SOURCES)
+DOCUMENT = "Document {i}:\n{document}"
 
 VT_HOPS = 4
 VT_EXAMPLE_TOKENS = 500  # RULER builds its in-context example with max_seq_length=500
@@ -287,6 +295,64 @@ def fwe(task: str, rng: random.Random, tag: str, context_tokens: int) -> tuple[C
     return build, 10**9
 
 
+@functools.lru_cache(maxsize=4)
+def load_qa(task: str, files: str | tuple[str, ...] | None) -> tuple[list[dict], list[str]]:
+    """RULER qa.py's reading of SQuAD / HotpotQA: every answerable question with the indices of its
+    gold documents (and, for SQuAD, the other paragraphs of its article), and the sorted documents."""
+    path, config, split = QA_SOURCES[task]
+    if files is None:
+        rows = load_rows(path, config=config, split=split)
+    else:
+        listed = [files] if isinstance(files, str) else list(files)
+        builder = "parquet" if all(f.endswith(".parquet") for f in listed) else "json"
+        rows = load_rows(builder, data_files=listed, split="train")
+    rows = rows.to_list()
+    if task == "qa_1":  # SQuAD v2: id, title, context, question, answers {text, answer_start}
+        docs = sorted({r["context"] for r in rows})
+        index = {d: i for i, d in enumerate(docs)}
+        article: dict[str, list[int]] = {}
+        for r in rows:
+            article.setdefault(r["title"], [])
+            if index[r["context"]] not in article[r["title"]]:
+                article[r["title"]].append(index[r["context"]])
+        questions = [{"query": r["question"], "outputs": list(r["answers"]["text"]), "context": [index[r["context"]]],
+                      "more": [i for i in article[r["title"]] if i != index[r["context"]]]}
+                     for r in rows if r["answers"]["text"]]  # RULER skips the unanswerable ones
+    else:  # HotpotQA distractor: question, answer, context {title: [...], sentences: [[...], ...]}
+        def documents(r):
+            return [f"{t}\n{''.join(ss)}" for t, ss in zip(r["context"]["title"], r["context"]["sentences"])]
+
+        docs = sorted({d for r in rows for d in documents(r)})
+        index = {d: i for i, d in enumerate(docs)}
+        questions = [{"query": r["question"], "outputs": [r["answer"]], "context": [index[d] for d in documents(r)],
+                      "more": []} for r in rows]
+    return questions, docs
+
+
+def qa(task: str, rng: random.Random, source: tuple[list[dict], list[str]]):
+    """RULER qa.py: the question's gold documents among distractors (first the other paragraphs of
+    its article, then random ones), shuffled and numbered; the size is the document count."""
+    questions, docs = source
+    if not questions:
+        raise ConfigError(f"task: {task} has no answerable questions in its source")
+    item = questions[rng.randrange(len(questions))]  # RULER takes them in file order
+    more = rng.sample(item["more"], len(item["more"]))
+    others = [i for i in range(len(docs)) if i not in item["context"] and i not in item["more"]]
+    extra = rng.sample(others, min(len(others), 4096))
+    order_seed = rng.random()
+
+    def build(size: int) -> Built:
+        count = max(size, len(item["context"]))
+        chosen = item["context"] + (more + extra)[:count - len(item["context"])]
+        random.Random(order_seed).shuffle(chosen)
+        pieces = [(DOCUMENT.format(i=i + 1, document=docs[d]), d in item["context"]) for i, d in enumerate(chosen)]
+        context, spans = join_tracked(pieces, "\n\n")
+        return Built(context, f"Question: {item['query']}", item["outputs"], " Answer:", spans,
+                     info={"gold_documents": len(item["context"])})
+
+    return build, len(item["context"]) + len(item["more"]) + len(extra)
+
+
 @dataclass(frozen=True)
 class Ruler(DatasetConfig):
     """RULER synthetic tasks (one name or a list; default all offline ones), sized in model tokens."""
@@ -297,12 +363,15 @@ class Ruler(DatasetConfig):
     num_samples: int = 4  # contexts per task
     seed: int = 0
     questions: int = 1  # questions per context (niah tasks): one row each, consecutive rows share a context
+    qa_files: dict | None = None  # {"qa_1": path(s), "qa_2": path(s)}: local files in the hub schema
 
     def __post_init__(self) -> None:
         names = [self.task] if isinstance(self.task, str) else self.task
-        ok = isinstance(names, (list, tuple)) and len(names) > 0 and all(n in OFFLINE_TASKS for n in names)
-        check(ok, "task", f"one of {list(OFFLINE_TASKS)} or a non-empty list of them "
-              "(qa_1/qa_2 need SQuAD/HotpotQA from the hub and are not generated here)", self.task)
+        ok = isinstance(names, (list, tuple)) and len(names) > 0 and all(n in TASK_NAMES for n in names)
+        check(ok, "task", f"one of {list(TASK_NAMES)} or a non-empty list of them", self.task)
+        files_ok = self.qa_files is None or (isinstance(self.qa_files, dict) and set(self.qa_files) <= set(QA_SOURCES)
+                                             and all(_is_files(v) for v in self.qa_files.values()))
+        check(files_ok, "qa_files", f"None or a dict from {list(QA_SOURCES)} to local file path(s)", self.qa_files)
         super().__post_init__()
         self.check_num_samples(allow_all=False)
         ok = isinstance(self.questions, int) and not isinstance(self.questions, bool) and 1 <= self.questions <= 16
@@ -325,6 +394,11 @@ class Ruler(DatasetConfig):
     def rows_per_context(self) -> int:
         return self.questions
 
+    def qa_rows(self, task: str) -> tuple[list[dict], list[str]]:
+        """(questions, documents) of qa_1 / qa_2, from the hub or `qa_files` (cached per config)."""
+        files = (self.qa_files or {}).get(task)
+        return load_qa(task, files if isinstance(files, str) else tuple(files) if files else None)
+
     def load(self, tokenizer=None):
         tokenizer = resolve_tokenizer(tokenizer)
         return to_dataset([row for task in self.tasks for i in range(self.num_samples)
@@ -340,6 +414,8 @@ class Ruler(DatasetConfig):
         rng = random.Random(tag)
         if task in NIAH:
             build, upper = niah(task, rng, tag, self.questions)
+        elif task in QA_SOURCES:
+            build, upper = qa(task, rng, self.qa_rows(task))
         elif task == "vt":
             build, upper = vt(task, rng, tag, tokenizer)
         elif task == "cwe":

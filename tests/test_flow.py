@@ -234,3 +234,24 @@ def test_sigkilled_shard_worker_then_rerun_leaves_every_run_exactly_once(deploye
     assert len(runs) == 6 and len({r["run_id"] for r in runs}) == 6  # every run exactly once
     steps = read_table(results, "steps")
     assert sorted((s["run_id"], s["step"]) for s in steps) == sorted((r["run_id"], i) for r in runs for i in range(2))
+
+
+def test_shard_task_fails_at_once_on_a_config_error(prefect_server, tmp_path):
+    """A bad setting fails the same way on every try: the shard task (retries=2) runs once."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from tasks.sweep import run_shard
+
+    shard = {"dataset": "passkey", "dataset_params": json.dumps({"context_tokens": 256}), "sample_index": 0,
+             "methods": []}
+
+    @flow
+    def one_shard() -> tuple[bool, str, str]:
+        state = run_shard(shard, "./no/such/model", 2, "s", str(tmp_path), None, return_state=True)
+        return state.is_failed(), str(state.message), str(state.state_details.task_run_id)
+
+    failed, message, task_run_id = one_shard()
+    assert failed and "name_or_path: expected 'smollm2-135m'" in message
+    with get_client(sync_client=True) as client:
+        assert client.read_task_run(task_run_id).run_count == 1

@@ -10,7 +10,7 @@ config (the full cache, or a chosen baseline) sample by sample:
   discordant wins are Binomial(b + c, 1/2); p = min(1, 2 * P(X <= min(b, c))).
 
 `compare` puts both together with the verdict a report prints: "not distinguishable" whenever
-the interval contains 0.
+the interval contains 0 or, for 0/1 scores, McNemar's p >= 0.05.
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ class Paired:
 
     @property
     def verdict(self) -> str:
+        """"better" / "worse" only when the CI excludes 0 and, for 0/1 scores, McNemar's p < 0.05
+        too: with a handful of pairs that all differ the bootstrap interval collapses to a point,
+        while the exact test still says "not distinguishable" (3 of 3 discordant: p = 0.25)."""
         if self.n == 0 or math.isnan(self.ci_low):
             return "no pairs"
-        if self.ci_low <= 0.0 <= self.ci_high:
+        if self.ci_low <= 0.0 <= self.ci_high or (self.mcnemar_p is not None and self.mcnemar_p >= 0.05):
             return "not distinguishable"
         return "better" if self.ci_low > 0 else "worse"
 

@@ -211,7 +211,7 @@ def paired_png(paired: tuple[list[str], list[tuple]]) -> bytes:
     rows = max(1, -(-len(cells) // columns))
     height = max(2.0, 0.28 * max((sum(1 for r in records if (r["dataset"], r["task"], r["context_tokens"],
                                                                   r["protocol"]) == c) for c in cells), default=1))
-    fig, axes = plt.subplots(rows, columns, figsize=(PANEL_INCHES[0] * columns + 2, (height + 1) * rows),
+    fig, axes = plt.subplots(rows, columns, figsize=((PANEL_INCHES[0] + 3.2) * columns, (height + 1) * rows),
                              squeeze=False)
     for ax in axes.flat[len(cells):]:
         ax.set_visible(False)
@@ -222,14 +222,14 @@ def paired_png(paired: tuple[list[str], list[tuple]]) -> bytes:
                            key=lambda r: r["config_label"])
         ys = list(range(len(cell_rows)))
         for y, r in zip(ys, cell_rows):
-            resolved = r["vs_full"] in ("better", "worse")
+            resolved = r["vs_full"] in ("better", "worse")  # CI excludes 0 (and McNemar p < 0.05 for 0/1)
             ax.errorbar(r["diff_vs_full"], y, xerr=[[r["diff_vs_full"] - r["diff_vs_full_ci_low"]],
                                                     [r["diff_vs_full_ci_high"] - r["diff_vs_full"]]],
                         fmt="o", capsize=3, color="tab:red" if resolved else "tab:gray")
         ax.axvline(0.0, color="black", linewidth=1)
         ax.set_yticks(ys, [f"{r['config_label']} (n={r['n']})" for r in cell_rows], fontsize=7)
         dataset, task, context, protocol = cell
-        ax.set(title=f"{task} @ {context} ({protocol})", xlabel="score - full score (red: CI excludes 0)")
+        ax.set(title=f"{task} @ {context} ({protocol})", xlabel="score - full score (red: resolved)")
         ax.grid(alpha=0.3, axis="x")
     return _png(fig)
 

@@ -411,8 +411,9 @@ def test_paired_report_matches_the_summary_and_names_unresolved_differences(fixt
         assert p["n"] == s["runs"] and p["score_mean"] == pytest.approx(s["score_mean"])
         assert p["diff_vs_full"] == pytest.approx(s["score_vs_full"])
         assert p["diff_vs_full_ci_low"] <= p["diff_vs_full"] <= p["diff_vs_full_ci_high"]
-        spans_zero = p["diff_vs_full_ci_low"] <= 0 <= p["diff_vs_full_ci_high"]
-        assert (p["vs_full"] == "not distinguishable") == spans_zero
+        unresolved = p["diff_vs_full_ci_low"] <= 0 <= p["diff_vs_full_ci_high"] or (
+            p["mcnemar_p_vs_full"] is not None and p["mcnemar_p_vs_full"] >= 0.05)
+        assert (p["vs_full"] == "not distinguishable") == unresolved
         assert p["n_baseline"] == 0 and p["vs_baseline"] is None  # no baseline set
     assert any(p["vs_full"] == "not distinguishable" for p in paired if p["config_label"] != "full")
     with_baseline = connect(fixture_results[0], baseline="full")

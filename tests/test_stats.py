@@ -33,6 +33,8 @@ def test_compare_verdicts():
     assert same.mcnemar_p == 1.0
     worse = compare([0.0] * 25, [1.0] * 25)
     assert worse.diff_mean == -1.0 and worse.verdict == "worse" and worse.mcnemar_p == pytest.approx(2 / 2**25)
+    few = compare([0.0] * 3, [1.0] * 3)  # the bootstrap CI is the point -1, but 3 pairs cannot resolve it
+    assert (few.ci_low, few.ci_high) == (-1.0, -1.0) and few.mcnemar_p == 0.25 and few.verdict == "not distinguishable"
     fractional = compare([0.5, 0.75], [1.0, 1.0])
     assert fractional.mcnemar_p is None and fractional.verdict == "worse"
     with pytest.raises(ValueError):

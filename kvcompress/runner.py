@@ -115,7 +115,12 @@ class RecordingKVCache(KVCache):
         self.chunks, self.prompt_queries = [self.prompt_queries], None
 
 
-def prefill(model, prompt: list[int], record_queries: bool, split: int | None = None):
+def prefill(model, prompt: list[int], record_queries: bool) -> tuple[list, mx.array, float]:
+    """Full-attention prefill in chunks: (caches, last-position logits [V], seconds)."""
+    return prefill_parts(model, prompt, record_queries)[:3]
+
+
+def prefill_parts(model, prompt: list[int], record_queries: bool, split: int | None = None):
     """Full-attention prefill in chunks that break at `split`.
 
     Returns (caches, last-position logits [V], seconds, context): `context` is, when `split` is
@@ -142,7 +147,13 @@ def prefill(model, prompt: list[int], record_queries: bool, split: int | None = 
     return caches, logits[0, -1], time.perf_counter() - start, context
 
 
-def derive_cache(model, method: Method, kv: list, queries: list | None) -> list:
+def derive_cache(model, method: Method, prefilled: list) -> list:
+    """Build `method`'s cache and compress a finished full prefill (caches holding the prompt) into it."""
+    queries = [c.prompt_queries for c in prefilled] if method.needs_queries else None
+    return compress_kv(model, method, [c.keys_and_values() for c in prefilled], queries)
+
+
+def compress_kv(model, method: Method, kv: list, queries: list | None) -> list:
     """Build `method`'s cache and compress finished full-attention keys/values into it.
 
     kv: per layer (keys, values) [B, H_kv, T, D]; queries: per layer [B, H_q, T, D] or None.
@@ -239,7 +250,7 @@ def share_context(model, tokenizer, sample: dict, methods: list[Method]) -> Shar
     """Prefill the context part of `sample` (and of every question about the same context)."""
     prompt = datasets.sample_prompt(sample, tokenizer)
     head = prompt.tokens[:prompt.question_start]
-    caches, logits, seconds, (kv, _) = prefill(model, head, any(m.needs_queries for m in methods), len(head))
+    caches, logits, seconds, (kv, _) = prefill_parts(model, head, any(m.needs_queries for m in methods), len(head))
     return SharedContext(head, caches, kv, logits, seconds)
 
 
@@ -270,7 +281,7 @@ def reference(model, tokenizer, sample: dict, methods: list[Method], decode_step
     cap = budget if decode_steps is None else min(budget, decode_steps)
     agnostic = "query_agnostic" in protocols
     if shared is None:
-        caches, first_logits, prefill_s, context = prefill(
+        caches, first_logits, prefill_s, context = prefill_parts(
             model, prompt.tokens, any(m.needs_queries for m in methods), prompt.question_start if agnostic else None)
     else:
         caches, first_logits, prefill_s = continue_prefill(model, shared, prompt.tokens)
@@ -337,7 +348,7 @@ def compress_context(model, method: Method, ref: Reference) -> list:
     """The method's cache holding the compressed context part only (query_agnostic)."""
     T = ref.question_start
     queries = [c.prompt_queries[:, :, :T] for c in ref.prefilled] if method.needs_queries else None
-    return derive_cache(model, method, ref.context_kv, queries)
+    return compress_kv(model, method, ref.context_kv, queries)
 
 
 def compress(model, method: Method, ref: Reference, protocol: str, base: list | None = None) -> tuple[list, mx.array]:
@@ -350,8 +361,7 @@ def compress(model, method: Method, ref: Reference, protocol: str, base: list | 
     """
     layers = ref.prefilled
     if protocol == "query_aware":
-        queries = [c.prompt_queries for c in layers] if method.needs_queries else None
-        return derive_cache(model, method, [c.keys_and_values() for c in layers], queries), ref.logits[0]
+        return derive_cache(model, method, layers), ref.logits[0]
     caches = copy.deepcopy(base) if base is not None else compress_context(model, method, ref)
     question = ref.prompt[ref.question_start:]
     return caches, feed(model, question, caches) if question else ref.context_logits

@@ -157,8 +157,8 @@ def test_several_questions_on_one_context_share_one_compression_per_method(embed
     assert len(samples) == 2 and samples[0]["context"] == samples[1]["context"]
     methods = [method_config("full"), method_config("streaming", budget=0.5)]
     calls = []
-    real = runner.derive_cache
-    monkeypatch.setattr(runner, "derive_cache", lambda *a: calls.append(a[1].name) or real(*a))
+    real = runner.compress_kv
+    monkeypatch.setattr(runner, "compress_kv", lambda *a: calls.append(a[1].name) or real(*a))
     together = run_sample(model, tokenizer, samples, methods, context_for("ruler", params, None),
                           protocols=("query_aware", "query_agnostic"))
     assert [(r.run["sample_id"], r.run["protocol"]) for r in together] == [

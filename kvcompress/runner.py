@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import attention, datasets
+from .kernels import dispatch
 from .memory import live_kv_bytes, tokens_kept
 from .methods.base import Method
 from .metrics import step_metrics
@@ -227,6 +228,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
     }
     step_rows: list[dict[str, Any]] = []
     deadline = time.monotonic() + context.run_timeout_s if context.run_timeout_s else None
+    dispatch.reset_paths()
     try:
         mx.reset_peak_memory()
         start = time.perf_counter()
@@ -269,4 +271,8 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
     except Exception as exc:  # recorded, and the shard goes on with the next method
         row["status"] = "error"
         row["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+    # which path each kernel took (fused / reference), outside the hashed part: the same run on a
+    # GPU and on a CPU keeps one run id
+    config["kernels"] = dispatch.paths_used()
+    row["config"] = json.dumps(config, sort_keys=True)
     return RunRecord(row, step_rows, method.name)

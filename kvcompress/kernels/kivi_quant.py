@@ -14,14 +14,19 @@ for bit):
 - codes = round-half-to-even((x - zero) / scale), clipped to [0, 2^b - 1]; a constant group
   (scale 0) gets code 0 and dequantizes exactly to its value.
 
-`quantize_pack` dispatches by backend: a CUDA kernel (`mx.fast.cuda_kernel`, tested on an H200),
-a Metal kernel (`mx.fast.metal_kernel`, same algorithm, UNTESTED here: no Apple GPU available),
-and on CPU the plain MLX reference.
+`quantize_pack` goes through kvcompress/kernels/dispatch.py: a CUDA kernel (`mx.fast.cuda_kernel`,
+tested on an H200) or a Metal kernel (`mx.fast.metal_kernel`, same body, UNTESTED here: no Apple
+GPU available), each used only after a bit-exact self-test on first use; on CPU the MLX reference.
 """
 
 from __future__ import annotations
 
+import zlib
+
 import mlx.core as mx
+
+from . import dispatch
+from .dispatch import gpu_backend  # noqa: F401  (re-exported: tests and benchmarks import it from here)
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -154,12 +159,15 @@ _kernels: dict[str, object] = {}
 
 def _kernel(backend: str):
     if backend not in _kernels:
-        names = dict(name="kivi_quantize_pack", input_names=["x", "dims"], output_names=["packed", "scales", "zeros"])
+        source, header = (CUDA_SOURCE, CUDA_HEADER) if backend == "cuda" else (METAL_SOURCE, METAL_HEADER)
+        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
+        names = dict(name=f"kivi_quantize_pack_{zlib.crc32((header + source).encode()):08x}",
+                     input_names=["x", "dims"], output_names=["packed", "scales", "zeros"])
         if backend == "cuda":
-            _kernels[backend] = mx.fast.cuda_kernel(**names, source=CUDA_SOURCE, header=CUDA_HEADER)
+            _kernels[backend] = mx.fast.cuda_kernel(**names, source=source, header=header)
         else:
-            _kernels[backend] = mx.fast.metal_kernel(
-                **names, source=METAL_SOURCE, header=METAL_HEADER, compile_options={"math_mode": "safe"})
+            _kernels[backend] = mx.fast.metal_kernel(**names, source=source, header=header,
+                                                     compile_options={"math_mode": "safe"})
     return _kernels[backend]
 
 
@@ -191,20 +199,26 @@ def quantize_pack_kernel(
     return packed, scales, zeros
 
 
-def gpu_backend() -> str | None:
-    """"cuda" or "metal" when the default device is a GPU of that kind, else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.cuda.is_available():
-        return "cuda"
-    if mx.metal.is_available():
-        return "metal"
-    return None
+def _selftest(backend: str, dtype, bits: int, group_size: int, per_channel: bool) -> None:
+    """Bit-exact check of the kernel against the reference on a small random input (with a
+    constant group and exact ties), outputs poisoned so an unwritten element cannot pass."""
+    shape = (2, 3, 2 * group_size, 64) if per_channel else (2, 5, 2 * group_size)
+    x = mx.random.normal(shape, key=mx.random.key(bits * 1000 + group_size)) * 3
+    x = mx.where(mx.arange(shape[-1]) % 7 == 0, mx.round(x * 2) / 2, x)  # ties on the code grid
+    x = x.astype(dtype)
+    got = quantize_pack_kernel(x, bits, group_size, per_channel, backend, init_value=3.0)
+    with mx.stream(mx.cpu):
+        want = quantize_pack_reference(x, bits, group_size, per_channel)
+        mx.eval(want)
+    dispatch.assert_equal(got, want, "kivi_quantize_pack self-test")
 
 
 def quantize_pack(x: mx.array, bits: int, group_size: int, per_channel: bool = False):
-    """KIVI quantize-and-pack on the fastest available path (see module docstring)."""
-    backend = gpu_backend()
+    """KIVI quantize-and-pack on the fused kernel where it passed its self-test, else the reference."""
+    _check(x, bits, group_size, per_channel)
+    variant = (bits, group_size, per_channel)
+    backend = dispatch.select("kivi_quantize_pack", x.dtype, variant,
+                              lambda b: _selftest(b, x.dtype, bits, group_size, per_channel))
     if backend is None:
         return quantize_pack_reference(x, bits, group_size, per_channel)
     return quantize_pack_kernel(x, bits, group_size, per_channel, backend)

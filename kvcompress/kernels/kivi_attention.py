@@ -143,12 +143,12 @@ _ATTN_BODY = """
     const int tl = tid / CG;
     const int c0 = cg * 8;
 
-    SHARED float qs[D * M];
-    SHARED float sc[M * TILE];
-    SHARED float red[M * D];
-    SHARED float run_max[M];
-    SHARED float run_sum[M];
-    SHARED float corr[M];
+    KV_SHARED float qs[D * M];
+    KV_SHARED float sc[M * TILE];
+    KV_SHARED float red[M * D];
+    KV_SHARED float run_max[M];
+    KV_SHARED float run_sum[M];
+    KV_SHARED float corr[M];
 
     const float qscale = params[0];
     for (int i = tid; i < D * M; i += NT) {
@@ -162,11 +162,11 @@ _ATTN_BODY = """
     }
     float acc[M][8];
     float zacc[M];
-    UNROLL for (int m = 0; m < M; ++m) {
+    KV_UNROLL for (int m = 0; m < M; ++m) {
         zacc[m] = 0.0f;
-        UNROLL for (int j = 0; j < 8; ++j) acc[m][j] = 0.0f;
+        KV_UNROLL for (int j = 0; j < 8; ++j) acc[m][j] = 0.0f;
     }
-    BARRIER();
+    KV_BARRIER();
 
     const int tile0 = blk * tiles_per_block;
     for (int tile = tile0; tile < tile0 + tiles_per_block; ++tile) {
@@ -175,8 +175,8 @@ _ATTN_BODY = """
 
         // ---- scores of this tile: lane owns tokens t0..t0+7, warp owns channels [warp*DW, +DW)
         float s[M][8];
-        UNROLL for (int m = 0; m < M; ++m) {
-            UNROLL for (int j = 0; j < 8; ++j) s[m][j] = 0.0f;
+        KV_UNROLL for (int m = 0; m < M; ++m) {
+            KV_UNROLL for (int j = 0; j < 8; ++j) s[m][j] = 0.0f;
         }
         const int t0 = start + lane * 8;
         if (t0 + 8 <= nk) {
@@ -184,8 +184,8 @@ _ATTN_BODY = """
             const int wi = (t0 * KB) / 32;
             const int sh = (t0 * KB) % 32;
             float zs[M];
-            UNROLL for (int m = 0; m < M; ++m) zs[m] = 0.0f;
-            UNROLL for (int dd = 0; dd < DW; ++dd) {
+            KV_UNROLL for (int m = 0; m < M; ++m) zs[m] = 0.0f;
+            KV_UNROLL for (int dd = 0; dd < DW; ++dd) {
                 const int d = warp * DW + dd;
                 const long row = (long)bh * D + d;
                 const unsigned int w0 = kc[row * kwrow + wi];
@@ -193,29 +193,29 @@ _ATTN_BODY = """
                 const float sk = static_cast<float>(ks[row * kgrow + g]);
                 const float zk = static_cast<float>(kz[row * kgrow + g]);
                 float a[M];
-                UNROLL for (int m = 0; m < M; ++m) {
+                KV_UNROLL for (int m = 0; m < M; ++m) {
                     const float qv = qs[d * M + m];
                     a[m] = qv * sk;
                     zs[m] += qv * zk;
                 }
-                UNROLL for (int j = 0; j < 8; ++j) {
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
                     const int bit = j * KB;
                     const unsigned int code = ((bit < 32) ? (w0 >> (sh + bit)) : (w1 >> (bit - 32))) & KMASK;
                     const float cf = static_cast<float>(code);
-                    UNROLL for (int m = 0; m < M; ++m) s[m][j] += a[m] * cf;
+                    KV_UNROLL for (int m = 0; m < M; ++m) s[m][j] += a[m] * cf;
                 }
             }
-            UNROLL for (int m = 0; m < M; ++m) {
-                UNROLL for (int j = 0; j < 8; ++j) s[m][j] += zs[m];
+            KV_UNROLL for (int m = 0; m < M; ++m) {
+                KV_UNROLL for (int j = 0; j < 8; ++j) s[m][j] += zs[m];
             }
         } else {
-            UNROLL for (int j = 0; j < 8; ++j) {
+            KV_UNROLL for (int j = 0; j < 8; ++j) {
                 const int t = t0 + j;
                 if (t >= nk && t < T_total) {
                     const long base = ((long)bh * trk + (t - nk)) * D + warp * DW;
                     for (int dd = 0; dd < DW; ++dd) {
                         const float kv = static_cast<float>(kr[base + dd]);
-                        UNROLL for (int m = 0; m < M; ++m) s[m][j] += qs[(warp * DW + dd) * M + m] * kv;
+                        KV_UNROLL for (int m = 0; m < M; ++m) s[m][j] += qs[(warp * DW + dd) * M + m] * kv;
                     }
                 }
             }
@@ -223,14 +223,14 @@ _ATTN_BODY = """
         // sum the warps' partial scores; token lane*8+j lives at sc[m*TILE + j*32 + lane]
         for (int w = 0; w < NW; ++w) {
             if (warp == w) {
-                UNROLL for (int m = 0; m < M; ++m) {
-                    UNROLL for (int j = 0; j < 8; ++j) {
+                KV_UNROLL for (int m = 0; m < M; ++m) {
+                    KV_UNROLL for (int j = 0; j < 8; ++j) {
                         const int idx = m * TILE + j * 32 + lane;
                         sc[idx] = (w == 0 ? 0.0f : sc[idx]) + s[m][j];
                     }
                 }
             }
-            BARRIER();
+            KV_BARRIER();
         }
 
         // ---- online softmax: warp w owns rows w, w + NW, ...
@@ -238,7 +238,7 @@ _ATTN_BODY = """
             const int last = CAUSAL ? T_total - L + (m % L) : T_total - 1;
             float v[8];
             float tile_max = NEG_INF;
-            UNROLL for (int j = 0; j < 8; ++j) {
+            KV_UNROLL for (int j = 0; j < 8; ++j) {
                 const int t = start + lane * 8 + j;
                 const float x = sc[m * TILE + j * 32 + lane];
                 v[j] = (t <= last) ? x : NEG_INF;
@@ -248,7 +248,7 @@ _ATTN_BODY = """
             const float old_max = run_max[m];
             const float new_max = FMAX(old_max, tile_max);
             float tile_sum = 0.0f;
-            UNROLL for (int j = 0; j < 8; ++j) {
+            KV_UNROLL for (int j = 0; j < 8; ++j) {
                 const float p = (v[j] == NEG_INF) ? 0.0f : EXP2(v[j] - new_max);
                 sc[m * TILE + j * 32 + lane] = p;
                 tile_sum += p;
@@ -261,13 +261,13 @@ _ATTN_BODY = """
                 run_max[m] = new_max;
             }
         }
-        BARRIER();
+        KV_BARRIER();
 
         // ---- values: thread owns channels c0..c0+7 and tokens tl*TPL .. tl*TPL+TPL-1 of the tile
-        UNROLL for (int m = 0; m < M; ++m) {
+        KV_UNROLL for (int m = 0; m < M; ++m) {
             const float c = corr[m];
             zacc[m] *= c;
-            UNROLL for (int j = 0; j < 8; ++j) acc[m][j] *= c;
+            KV_UNROLL for (int j = 0; j < 8; ++j) acc[m][j] *= c;
         }
         const int vt0 = start + tl * TPL;
         const int vwi = (c0 * VB) / 32;
@@ -278,7 +278,7 @@ _ATTN_BODY = """
             const int tk = tl * TPL + i;
             const int pos = (tk % 8) * 32 + tk / 8;
             float p[M];
-            UNROLL for (int m = 0; m < M; ++m) p[m] = sc[m * TILE + pos];
+            KV_UNROLL for (int m = 0; m < M; ++m) p[m] = sc[m * TILE + pos];
             if (t < nv) {
                 const long row = (long)bh * vcap + t;
                 const unsigned int w0 = vc[row * VWROW + vwi];
@@ -286,32 +286,32 @@ _ATTN_BODY = """
                 const float sv = static_cast<float>(vs[row * VGROW + c0 / G]);
                 const float zv = static_cast<float>(vz[row * VGROW + c0 / G]);
                 float ps[M];
-                UNROLL for (int m = 0; m < M; ++m) {
+                KV_UNROLL for (int m = 0; m < M; ++m) {
                     ps[m] = p[m] * sv;
                     zacc[m] += p[m] * zv;
                 }
-                UNROLL for (int j = 0; j < 8; ++j) {
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
                     const int bit = j * VB;
                     const unsigned int code = ((bit < 32) ? (w0 >> (vsh + bit)) : (w1 >> (bit - 32))) & VMASK;
                     const float cf = static_cast<float>(code);
-                    UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
+                    KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
                 }
             } else {
                 const long base = ((long)bh * trv + (t - nv)) * D + c0;
-                UNROLL for (int j = 0; j < 8; ++j) {
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
                     const float x = static_cast<float>(vr[base + j]);
-                    UNROLL for (int m = 0; m < M; ++m) acc[m][j] += p[m] * x;
+                    KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += p[m] * x;
                 }
             }
         }
-        BARRIER();
+        KV_BARRIER();
     }
 
     // ---- reduce the token lanes: inside a warp by shuffles, across warps in turn through shared memory
-    UNROLL for (int m = 0; m < M; ++m) {
+    KV_UNROLL for (int m = 0; m < M; ++m) {
         float z = zacc[m];
         for (int off = CG; off < 32; off *= 2) z += SHFL_XOR(z, off);
-        UNROLL for (int j = 0; j < 8; ++j) {
+        KV_UNROLL for (int j = 0; j < 8; ++j) {
             float x = acc[m][j];
             for (int off = CG; off < 32; off *= 2) x += SHFL_XOR(x, off);
             acc[m][j] = x + z;
@@ -319,14 +319,14 @@ _ATTN_BODY = """
     }
     for (int w = 0; w < NW; ++w) {
         if (warp == w && lane < CG) {
-            UNROLL for (int m = 0; m < M; ++m) {
-                UNROLL for (int j = 0; j < 8; ++j) {
+            KV_UNROLL for (int m = 0; m < M; ++m) {
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
                     const int idx = m * D + c0 + j;
                     red[idx] = (w == 0 ? 0.0f : red[idx]) + acc[m][j];
                 }
             }
         }
-        BARRIER();
+        KV_BARRIER();
     }
     const long out_base = ((long)bh * nb + blk) * M;
     for (int i = tid; i < M * D; i += NT) o_part[out_base * D + i] = red[i];
@@ -360,13 +360,13 @@ _COMBINE_BODY = """
 """
 
 CUDA_HEADER = """
-#define SHARED __shared__
-#define BARRIER() __syncthreads()
+#define KV_SHARED __shared__
+#define KV_BARRIER() __syncthreads()
 #define SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
 #define EXP2 exp2f
 #define FMAX fmaxf
 #define NEG_INF (-__int_as_float(0x7f800000))
-#define UNROLL _Pragma("unroll")
+#define KV_UNROLL _Pragma("unroll")
 """
 CUDA_ATTN_SOURCE = "const int tid = threadIdx.x; const int blk = blockIdx.x; const long bh = blockIdx.y;\n" + _ATTN_BODY
 CUDA_COMBINE_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;\n" + _COMBINE_BODY
@@ -375,13 +375,13 @@ CUDA_COMBINE_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadId
 # machines); the body is the CUDA one, only these macros differ, and the dispatch self-tests it
 # on first use and falls back to the reference if it fails.
 METAL_HEADER = """
-#define SHARED threadgroup
-#define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define KV_SHARED threadgroup
+#define KV_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define SHFL_XOR(v, m) simd_shuffle_xor((v), (ushort)(m))
 #define EXP2 metal::exp2
 #define FMAX metal::fmax
 #define NEG_INF (-INFINITY)
-#define UNROLL _Pragma("clang loop unroll(full)")
+#define KV_UNROLL _Pragma("clang loop unroll(full)")
 """
 METAL_ATTN_SOURCE = (
     "const int tid = (int)thread_position_in_threadgroup.x; const int blk = (int)threadgroup_position_in_grid.x;"
@@ -518,8 +518,10 @@ def _selftest(backend: str, dtype, variant: tuple) -> None:
     mask = "causal" if causal else None
     got = decode_attention_fused(q, keys, values, D**-0.5, causal, key_bits, value_bits, group_size, backend,
                                  tiles_per_block=2)
-    want = decode_attention_reference(q.astype(mx.float32), _as_f32(keys), _as_f32(values), D**-0.5, mask,
-                                      key_bits, value_bits, group_size)
+    with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
+        want = decode_attention_reference(q.astype(mx.float32), _as_f32(keys), _as_f32(values), D**-0.5, mask,
+                                          key_bits, value_bits, group_size)
+        mx.eval(want)
     dispatch.assert_close(got, want, _SELFTEST_TOLERANCE[dtype], "kivi_decode_attention self-test")
 
 

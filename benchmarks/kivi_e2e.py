@@ -4,9 +4,11 @@ A random-weight mlx-lm Llama with the Llama-3.1-8B shape (hidden 4096, 32 heads,
 128, intermediate 14336, vocab 128256; speed does not depend on the weights' values), fp16, batch 1.
 Each cache comes from `kvcompress.make_cache(model, method, ...)`: the classes the sweep uses. The
 prompt is prefilled in 2048-token chunks (mlx-lm's default), then `--steps` greedy decode steps
-after `--warmup` steps; reported: median decode ms/step and tok/s, resident KV MiB after prefill
-(`kvcompress.memory.live_kv_bytes`), prefill seconds (the first prefill of a process pays JIT
-compilation, so a throw-away prefill runs first), and which kernel paths ran.
+after `--warmup` steps, timed two ways: synchronously per step (as the runner times `step_ms`; the
+host time to build a step's graph is reported too) and pipelined as `mlx_lm.generate` runs (the
+next step's graph built while the GPU runs this one). Also: resident KV MiB after prefill
+(`kvcompress.memory.live_kv_bytes`), prefill seconds (each cache first runs a throw-away 2k prefill
+so JIT compilation and kernel self-tests stay out of the timings) and which kernel paths ran.
 
 Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/kivi_e2e.py --contexts 8192 32768`.
 """
@@ -67,26 +69,59 @@ def prefill(model, caches, prompt, chunk=2048) -> tuple[mx.array, float]:
     return logits, time.perf_counter() - start
 
 
+def step(model, caches, token):
+    return mx.argmax(model(token.reshape(1, 1), cache=caches)[0, -1])
+
+
+def decode_sync(model, caches, token, steps, warmup):
+    """Per-step synchronous decode, as the runner times it: (median ms/step, median ms to build
+    the step's graph on the host before the GPU runs it)."""
+    times, build = [], []
+    for s in range(warmup + steps):
+        t0 = time.perf_counter()
+        logits = model(token.reshape(1, 1), cache=caches)
+        t1 = time.perf_counter()
+        token = mx.argmax(logits[0, -1])
+        mx.eval(token)
+        if s >= warmup:
+            times.append(1e3 * (time.perf_counter() - t0))
+            build.append(1e3 * (t1 - t0))
+    return statistics.median(times), statistics.median(build), token
+
+
+def decode_pipelined(model, caches, token, steps):
+    """As mlx_lm.generate_step: the next step's graph is built while the GPU runs this one."""
+    y = step(model, caches, token)
+    mx.async_eval(y)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        next_y = step(model, caches, y)
+        mx.async_eval(next_y)
+        y.item()
+        y = next_y
+    y.item()
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
 def measure(model, label, method, params, T, steps, warmup):
+    # a throw-away run of this cache first: kernels compile and self-test outside the timings
+    warm = kvcompress.make_cache(model, method, **params)
+    logits, _ = prefill(model, warm, list(range(2100)))
+    decode_sync(model, warm, mx.argmax(logits[0, -1]), 2, 0)
+    del warm, logits
+    gc.collect()
     caches = kvcompress.make_cache(model, method, **params)
     prompt = [int(t) for t in mx.random.randint(0, 128256, (T,), key=mx.random.key(T)).tolist()]
     dispatch.reset_paths()
     mx.reset_peak_memory()
     logits, prefill_s = prefill(model, caches, prompt)
     kv_mib = live_kv_bytes(caches) / 2**20
-    token = mx.argmax(logits[0, -1]).reshape(1, 1)
-    times = []
-    for s in range(warmup + steps):
-        t0 = time.perf_counter()
-        logits = model(token, cache=caches)
-        token = mx.argmax(logits[0, -1]).reshape(1, 1)
-        mx.eval(token)
-        if s >= warmup:
-            times.append(1e3 * (time.perf_counter() - t0))
-    ms = statistics.median(times)
+    ms, build_ms, token = decode_sync(model, caches, mx.argmax(logits[0, -1]), steps, warmup)
+    pipelined_ms = decode_pipelined(model, caches, token, steps)
     paths = ",".join(f"{k.split('/')[0]}={v}" for k, v in dispatch.paths_used().items()) or "-"
     peak = mx.get_peak_memory() / 2**30
-    return dict(label=label, T=T, ms=ms, tok_s=1e3 / ms, kv_mib=kv_mib, prefill_s=prefill_s, peak_gib=peak, paths=paths)
+    return dict(label=label, T=T, ms=ms, build_ms=build_ms, pipelined_ms=pipelined_ms, tok_s=1e3 / ms,
+                kv_mib=kv_mib, prefill_s=prefill_s, peak_gib=peak, paths=paths)
 
 
 def main():
@@ -103,9 +138,10 @@ def main():
     print(f"weights {sum(p.nbytes for _, p in __import__('mlx.utils').utils.tree_flatten(model.parameters())) / 2**30:.1f} GiB", flush=True)
     prefill(model, kvcompress.make_cache(model, "full"), list(range(2100)))  # JIT warm-up, not timed
     rows = []
-    header = f"| cache | context | decode ms/step | tok/s | x full tok/s | KV MiB | prefill s | peak GiB | kernels |"
+    header = ("| cache | context | decode ms/step | host graph ms | pipelined ms/step | tok/s | x full tok/s "
+              "| pipelined x full | KV MiB | prefill s | x full prefill | peak GiB | kernels |")
     for T in args.contexts:
-        full_tok_s = None
+        full = None
         for label in args.caches:
             if f"{label}@{T}" in args.skip:
                 continue
@@ -118,16 +154,21 @@ def main():
                 gc.collect()
                 continue
             if label == "full":
-                full_tok_s = r["tok_s"]
-            r["x_full"] = r["tok_s"] / full_tok_s if full_tok_s else float("nan")
+                full = r
+            nan = float("nan")
+            r["x_full"] = full["ms"] / r["ms"] if full else nan
+            r["x_full_pipelined"] = full["pipelined_ms"] / r["pipelined_ms"] if full else nan
+            r["x_full_prefill"] = r["prefill_s"] / full["prefill_s"] if full else nan
             rows.append(r)
-            print(f"{label} @ {T}: {r['ms']:.2f} ms/step, {r['kv_mib']:.0f} MiB, prefill {r['prefill_s']:.2f} s, "
-                  f"peak {r['peak_gib']:.1f} GiB, {r['paths']} [{time.time() - t:.0f} s]", flush=True)
+            print(f"{label} @ {T}: {r['ms']:.2f} ms/step (host graph {r['build_ms']:.2f}, pipelined {r['pipelined_ms']:.2f}), "
+                  f"{r['kv_mib']:.0f} MiB, prefill {r['prefill_s']:.2f} s, peak {r['peak_gib']:.1f} GiB, {r['paths']} "
+                  f"[{time.time() - t:.0f} s]", flush=True)
             gc.collect()
-    print("\n" + header + "\n|---|---|---|---|---|---|---|---|---|")
+    print("\n" + header + "\n|" + "---|" * 13)
     for r in rows:
-        print(f"| {r['label']} | {r['T']} | {r['ms']:.2f} | {r['tok_s']:.1f} | {r['x_full']:.2f} | {r['kv_mib']:.0f} | "
-              f"{r['prefill_s']:.2f} | {r['peak_gib']:.1f} | {r['paths']} |")
+        print(f"| {r['label']} | {r['T']} | {r['ms']:.2f} | {r['build_ms']:.2f} | {r['pipelined_ms']:.2f} | {r['tok_s']:.1f} | "
+              f"{r['x_full']:.2f} | {r['x_full_pipelined']:.2f} | {r['kv_mib']:.0f} | {r['prefill_s']:.2f} | "
+              f"{r['x_full_prefill']:.2f} | {r['peak_gib']:.1f} | {r['paths']} |")
 
 
 if __name__ == "__main__":

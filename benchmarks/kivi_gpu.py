@@ -11,7 +11,8 @@ Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/kivi_gpu.p
    reference against dequantize-then-attend in float32 on the CPU (relative L2 error);
 3b. decode attention at 32k context, 8 KV heads, 32 query heads, D = 128, fp16, 32 layers per timed
    step: KIVI-2 / KIVI-4 / K4V2 on codes -- the fused kernel (several tiles-per-block settings) and the
-   quantized_matmul reference -- vs the full cache (mx.fast.scaled_dot_product_attention).
+   quantized_matmul reference -- vs the full cache (mx.fast.scaled_dot_product_attention);
+4. one decode step of the caches alone (update_and_fetch, then attention) at 32k, 32 layers.
 """
 
 from __future__ import annotations
@@ -189,11 +190,65 @@ def decode_table(T=32768, layers=32):
         del caches, views
 
 
+def step_table(T=32768, layers=32, steps=40):
+    print(f"\n## 4. one decode step of the caches alone (no model), {T} context, 8 KV heads, 32 query heads, D 128, fp16, {layers} layers")
+    from mlx_lm.models.cache import KVCache
+
+    scale = 128**-0.5
+    new_k = [mx.random.normal((1, 8, 1, 128), key=mx.random.key(3000 + i)).astype(mx.float16) for i in range(steps)]
+    q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(77)).astype(mx.float16)
+    mx.eval(new_k, q)
+    print(f"{'cache':22} {'update ms':>9} {'update+attn ms':>14} {'host graph ms':>13}")
+    for label in ("full", "kivi-2 paper", "kivi-2 grouped", "kivi-4 paper"):
+        caches = []
+        for i in range(layers):
+            k = mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i)).astype(mx.float16)
+            v = mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i + 1)).astype(mx.float16)
+            if label == "full":
+                c = KVCache()
+                c.update_and_fetch(k, v)
+            else:
+                bits = 4 if "kivi-4" in label else 2
+                c = KiviCache(bits, bits, 32, 128, "grouped" if "grouped" in label else "paper")
+                c.from_prefill(k, v, None)
+            mx.eval(c.state)
+            caches.append(c)
+            del k, v
+
+        def run(attend):
+            times, build = [], []
+            for s in range(steps):
+                t0 = time.perf_counter()
+                outs = []
+                for c in caches:
+                    kk, vv = c.update_and_fetch(new_k[s], new_k[s])
+                    if attend:
+                        if label == "full":
+                            outs.append(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale))
+                        else:
+                            outs.append(c.attention(q, kk, vv, scale=scale, mask=None))
+                    else:
+                        outs.append(c.keys)
+                t1 = time.perf_counter()
+                mx.eval(outs)
+                mx.synchronize()
+                times.append(1e3 * (time.perf_counter() - t0))
+                build.append(1e3 * (t1 - t0))
+            return statistics.median(times[5:]), statistics.median(build[5:])
+
+        upd, _ = run(False)
+        both, build = run(True)
+        print(f"{label:22} {upd:9.3f} {both:14.3f} {build:13.3f}")
+        del caches
+
+
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
     print("mlx", mx.__version__, mx.default_device(), "cuda" if mx.cuda.is_available() else "no cuda")
-    parts = sys.argv[1:] or ["exact", "attn", "bandwidth", "decode"]
-    for part, fn in (("exact", exactness_table), ("attn", check_attention), ("bandwidth", bandwidth_table), ("decode", decode_table)):
+    parts = sys.argv[1:] or ["exact", "attn", "bandwidth", "decode", "step"]
+    sections = (("exact", exactness_table), ("attn", check_attention), ("bandwidth", bandwidth_table),
+                ("decode", decode_table), ("step", step_table))
+    for part, fn in sections:
         if part in parts:
             t = time.time()
             try:

@@ -16,7 +16,7 @@ for part in $parts; do
     tests)
       python3 -m pytest -q -p no:cacheprovider --noconftest -rs tests/test_kivi_attention.py tests/test_kivi_quant.py \
         tests/test_dispatch.py -k "not run_config" 2>&1 | tee "$out/tests.log" ;;
-    attn|decode|bandwidth)
+    attn|decode|bandwidth|step)
       python3 benchmarks/kivi_gpu.py "$part" 2>&1 | tee "$out/kivi_gpu_$part.log" ;;
     e2e)
       python3 benchmarks/kivi_e2e.py --contexts 8192 32768 \

@@ -61,7 +61,8 @@ def test_reference_equals_dequantize_then_attend(kb, vb, D, M, L, n_k, n_v):
     mask = "causal" if L > 1 else None
     out = decode_attention_reference(q, keys, values, D**-0.5, mask, kb, vb, 32)
     want = dequantize_then_attend(q, keys, values, D**-0.5, mask, kb, vb, 32)
-    assert out.shape == q.shape and rel_l2(out, want) < 1e-5
+    # on a GPU the reference's float32 matmuls round like TF32 (seen on the H200: up to 4e-4)
+    assert out.shape == q.shape and rel_l2(out, want) < (1e-5 if GPU is None else 1e-3)
 
 
 def test_reference_reads_only_the_used_rows_of_spare_capacity():

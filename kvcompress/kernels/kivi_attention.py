@@ -58,21 +58,27 @@ class PackedSide(NamedTuple):
     residual: mx.array
 
 
+# The used part of arrays with spare capacity is copied: quantized_matmul on CUDA has no
+# implementation for strided weights ("No implementation for problem shape"), measured on the H200.
+
+
 def used_keys(side: PackedSide, bits: int, group_size: int):
-    """The key codes of the first n_packed tokens (slices only where there is spare capacity)."""
+    """The key codes of the first n_packed tokens, contiguous."""
     codes, scales, zeros = side.packed
     n = side.n_packed
     if codes.shape[-1] * 32 // bits == n:
         return codes, scales, zeros
-    return codes[..., : n * bits // 32], scales[..., : n // group_size], zeros[..., : n // group_size]
+    G = group_size
+    return tuple(mx.contiguous(a) for a in (codes[..., : n * bits // 32], scales[..., : n // G], zeros[..., : n // G]))
 
 
 def used_values(side: PackedSide):
+    """The value codes of the first n_packed tokens, contiguous."""
     codes, scales, zeros = side.packed
     n = side.n_packed
     if codes.shape[-2] == n:
         return codes, scales, zeros
-    return codes[..., :n, :], scales[..., :n, :], zeros[..., :n, :]
+    return tuple(mx.contiguous(a[..., :n, :]) for a in (codes, scales, zeros))
 
 
 def decode_attention_reference(queries, keys: PackedSide, values: PackedSide, scale: float, mask,

@@ -102,12 +102,11 @@ TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
 
 
 # (key bits, value bits, head_dim, rows M, query positions L): each is a separately compiled kernel
-# (~2 s of NVRTC each), so fp16 covers every axis and the other dtypes a few cases
+# (seconds of NVRTC each on the H200), so fp16 covers every axis and the other dtypes one case
 CASES = {
-    mx.float16: [(2, 2, 128, 4, 1), (4, 4, 128, 4, 1), (4, 2, 128, 4, 1), (8, 8, 128, 4, 1), (2, 4, 64, 3, 1),
-                 (2, 2, 64, 1, 1), (4, 4, 128, 8, 2), (2, 2, 128, 8, 1), (8, 2, 64, 6, 2), (2, 8, 256, 2, 1)],
-    mx.bfloat16: [(2, 2, 128, 4, 1), (4, 4, 64, 6, 2)],
-    mx.float32: [(2, 2, 128, 4, 1), (8, 4, 64, 3, 1), (4, 2, 128, 8, 2)],
+    mx.float16: [(2, 2, 128, 4, 1), (4, 4, 128, 4, 1), (4, 2, 128, 4, 1), (8, 8, 64, 6, 2), (2, 4, 64, 3, 1)],
+    mx.bfloat16: [(2, 2, 128, 8, 2)],
+    mx.float32: [(4, 2, 128, 1, 1)],
 }
 # (T, key codes, value codes): under one tile, tile boundaries, residual-only tails, no value codes
 SHAPES = [(100, 64, 0), (700, 640, 572), (1024, 896, 896), (2053, 2048, 1925), (300, 256, 172)]

@@ -187,17 +187,20 @@ _ATTN_BODY = """
         const int t0 = start + lane * 8;
         if (t0 + 8 <= nk) {
             const int g = t0 / G;
-            const int wi = (t0 * KB) / 32;
             const int sh = (t0 * KB) % 32;
+            // this warp's first channel row; rows of one (batch, head) are kwrow words apart
+            const long row0 = (long)bh * D + warp * DW;
+            const KV_DEVICE unsigned int* kcp = kc + row0 * kwrow + (t0 * KB) / 32;
+            const KV_DEVICE T* ksp = ks + row0 * kgrow + g;
+            const KV_DEVICE T* kzp = kz + row0 * kgrow + g;
             float zs[M];
             KV_UNROLL for (int m = 0; m < M; ++m) zs[m] = 0.0f;
             KV_UNROLL for (int dd = 0; dd < DW; ++dd) {
                 const int d = warp * DW + dd;
-                const long row = (long)bh * D + d;
-                const unsigned int w0 = kc[row * kwrow + wi];
-                const unsigned int w1 = (KB == 8) ? kc[row * kwrow + wi + 1] : 0u;
-                const float sk = static_cast<float>(ks[row * kgrow + g]);
-                const float zk = static_cast<float>(kz[row * kgrow + g]);
+                const unsigned int w0 = kcp[dd * kwrow];
+                const unsigned int w1 = (KB == 8) ? kcp[dd * kwrow + 1] : 0u;
+                const float sk = static_cast<float>(ksp[dd * kgrow]);
+                const float zk = static_cast<float>(kzp[dd * kgrow]);
                 float a[M];
                 KV_UNROLL for (int m = 0; m < M; ++m) {
                     const float qv = qs[d * M + m];
@@ -207,7 +210,7 @@ _ATTN_BODY = """
                 KV_UNROLL for (int j = 0; j < 8; ++j) {
                     const int bit = j * KB;
                     const unsigned int code = ((bit < 32) ? (w0 >> (sh + bit)) : (w1 >> (bit - 32))) & KMASK;
-                    const float cf = static_cast<float>(code);
+                    const float cf = CODE_TO_FLOAT(code);
                     KV_UNROLL for (int m = 0; m < M; ++m) s[m][j] += a[m] * cf;
                 }
             }
@@ -299,7 +302,7 @@ _ATTN_BODY = """
                 KV_UNROLL for (int j = 0; j < 8; ++j) {
                     const int bit = j * VB;
                     const unsigned int code = ((bit < 32) ? (w0 >> (vsh + bit)) : (w1 >> (bit - 32))) & VMASK;
-                    const float cf = static_cast<float>(code);
+                    const float cf = CODE_TO_FLOAT(code);
                     KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
                 }
             } else {
@@ -373,6 +376,10 @@ CUDA_HEADER = """
 #define FMAX fmaxf
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define KV_UNROLL _Pragma("unroll")
+#define KV_DEVICE
+// an integer below 2^23 as float without a conversion instruction (I2F issues at a fraction of the
+// FMA rate): OR it into the mantissa of 2^23, then subtract 2^23; exact
+#define CODE_TO_FLOAT(u) (__uint_as_float(0x4B000000u | (u)) - 8388608.0f)
 """
 CUDA_ATTN_SOURCE = "const int tid = threadIdx.x; const int blk = blockIdx.x; const long bh = blockIdx.y;\n" + _ATTN_BODY
 CUDA_COMBINE_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;\n" + _COMBINE_BODY
@@ -388,6 +395,8 @@ METAL_HEADER = """
 #define FMAX metal::fmax
 #define NEG_INF (-INFINITY)
 #define KV_UNROLL _Pragma("clang loop unroll(full)")
+#define KV_DEVICE device
+#define CODE_TO_FLOAT(u) (as_type<float>(0x4B000000u | (u)) - 8388608.0f)
 """
 METAL_ATTN_SOURCE = (
     "const int tid = (int)thread_position_in_threadgroup.x; const int blk = (int)threadgroup_position_in_grid.x;"
@@ -417,8 +426,19 @@ def _kernel(which: str, backend: str):
 
 
 def default_tiles_per_block(n_tiles: int, rows: int) -> int:
-    """Enough blocks to fill an H200 a few times over (~1024 blocks), fewer partials beyond."""
-    return max(1, (n_tiles * rows) // 1024)
+    """About 256+ blocks (two per SM of an H200): 4 tiles per block at 32k x 8 heads, the fastest
+    of 1/2/4/8 measured there; fewer partial outputs to combine."""
+    return max(1, (n_tiles * rows) // 256)
+
+
+_params_cache: dict[float, mx.array] = {}
+
+
+def _params(scale: float) -> mx.array:
+    # one small array per softmax scale, not one per call (decode calls this per layer per step)
+    if scale not in _params_cache:
+        _params_cache[scale] = mx.array([scale * math.log2(math.e)], dtype=mx.float32)
+    return _params_cache[scale]
 
 
 def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
@@ -452,7 +472,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     vr = values.residual if values.residual.shape[2] else dummy(dtype)
     q = queries.reshape(B, n_kv, M, D)  # rows rep-major: row m is query position m % L
     dims = mx.array([T, keys.n_packed, values.n_packed, tpb, kwrow, kgrow, vcap, nb, rows], dtype=mx.int32)
-    params = mx.array([scale * math.log2(math.e)], dtype=mx.float32)
+    params = _params(scale)
     template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
                 ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
     o_part, stats = _kernel("attn", backend)(

@@ -93,9 +93,10 @@ def test_per_channel_layout_feeds_quantized_matmul():
         assert all(mx.array_equal(a, b).item() for a, b in zip(kt, per_token))
         scores = mx.quantized_matmul(q, *kt, transpose=False, group_size=32, bits=bits)
         ref = q @ mx.dequantize(*kt, group_size=32, bits=bits)
-        # float32 on CPU; on a GPU the matmuls round like TF32 (seen on the H200: ~3e-4 relative)
-        tol = 1e-4 if gpu_backend() is None else 2e-3
-        assert mx.allclose(scores, ref, atol=tol, rtol=tol).item()
+        if gpu_backend() is None:
+            assert mx.allclose(scores, ref, atol=1e-4, rtol=1e-4).item()
+        else:  # the GPU's float32 matmuls round like TF32 (H200: element errors ~3e-3 on scores ~10)
+            assert (mx.linalg.norm(scores - ref) / mx.linalg.norm(ref)).item() < 2e-3
 
 
 def test_bad_arguments_raise():

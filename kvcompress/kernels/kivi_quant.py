@@ -245,6 +245,16 @@ def _kernel(backend: str):
     return _kernels[backend]
 
 
+_dims_cache: dict[tuple, mx.array] = {}
+
+
+def _dims(values: tuple) -> mx.array:
+    # one small array per shape, made once: a decode step quantizes the same shapes every step
+    if values not in _dims_cache:
+        _dims_cache[values] = mx.array(values, dtype=mx.int64)
+    return _dims_cache[values]
+
+
 def quantize_pack_kernel(
     x: mx.array, bits: int, group_size: int, per_channel: bool = False, backend: str = "cuda", init_value=None
 ):
@@ -268,7 +278,7 @@ def quantize_pack_kernel(
     else:
         threads, c_tiles, g_tiles = 256, 0, 0
         grid = ((n_groups + threads - 1) // threads * threads, 1, 1)
-    dims = mx.array([n_groups, channels, axis_len, c_tiles, g_tiles], dtype=mx.int64)
+    dims = _dims((n_groups, channels, axis_len, c_tiles, g_tiles))
     packed, scales, zeros = _kernel(backend)(
         inputs=[x, dims],
         template=[("T", x.dtype), ("BITS", bits), ("GROUP", group_size), ("PER_CHANNEL", per_channel)],

@@ -29,11 +29,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import attention, datasets
-from .kernels import dispatch
 from .memory import live_kv_bytes, tokens_kept
 from .methods.base import Method
 from .metrics import step_metrics
 from .results import run_id
+from .kernels import dispatch
 
 PREFILL_CHUNK = 2048  # as mlx-lm's generate: bounds the attention matrix of a long prompt
 

@@ -230,7 +230,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
     try:
         mx.reset_peak_memory()
         start = time.perf_counter()
-        caches = derive_cache(model, method, ref.prefilled)
+        caches = derive_cache(model, method.for_run(ref.steps), ref.prefilled)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
         # the free-running answer starts from the same compressed prompt: copy it, do not re-derive
         answer_caches = copy.deepcopy(caches) if ref.continuation is None else None

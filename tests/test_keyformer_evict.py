@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvcompress.kernels import keyformer_evict as kernel
-from kvcompress.methods.keyformer import rope_rotations
+from kvcompress.methods.eviction import rope_rotations
 
 
 def _inputs(R, n, D, seed):

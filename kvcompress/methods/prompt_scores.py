@@ -19,9 +19,11 @@ from typing import Callable
 
 import mlx.core as mx
 
-# A tile holds about this many float32 logits (64 MiB): large enough that Python's per-op cost
-# stays small against the math, small next to a long prompt's KV cache.
-TILE_ELEMENTS = 1 << 24
+# A tile holds about this many float32 logits (32 MiB; a few tile-sized temporaries live at once):
+# large enough that Python's per-op cost stays small against the math, small next to a long
+# prompt's KV cache.
+TILE_ELEMENTS = 1 << 23
+KEY_TILE = 1024
 
 # f(logits [R, G, Lq, Tk], query_positions [Lq], key_positions [Tk]) -> transformed logits
 Transform = Callable[[mx.array, mx.array, mx.array], mx.array]
@@ -55,7 +57,7 @@ def accumulated_attention(
     R, G, L, _ = queries.shape
     n = keys.shape[1]
     if tile is None:
-        key_tile = min(n, 4096)
+        key_tile = min(n, KEY_TILE)
         tile = (max(1, min(L, TILE_ELEMENTS // (R * G * key_tile))), key_tile)
     q_tile, k_tile = tile
     first = n - L
@@ -66,6 +68,8 @@ def accumulated_attention(
         logits = folded_logits(queries[:, :, q0:q1], keys[:, k0:k1], scale)
         if transform is not None:
             logits = transform(logits, query_positions, key_positions)
+        if k1 - 1 <= first + q0:  # the whole tile is at or below the diagonal: nothing to mask
+            return logits
         return _causal_tile(logits, query_positions, key_positions)
 
     # pass 1: row max and row sum, key tiles in order (key 0 is visible to every query, so the
@@ -98,7 +102,7 @@ def accumulated_attention(
             logits = tile_logits(q0, q1, k0, k1)
             m, l = maxima[index], sums[index]
             column = column + (mx.exp(logits - m[..., None]) / l[..., None]).sum(axis=(1, 2))
-        mx.eval(column)
+            mx.eval(column)  # one tile's scratch at a time
         columns.append(column)
     return mx.concatenate(columns, axis=1)
 

@@ -108,23 +108,26 @@ def full_cache_step():
     sys.path.insert(0, str(_path.parents[2]))
     import mlx.nn as nn
 
-    from kvcompress.methods.keyformer import Keyformer, KeyformerCache
+    from kvcompress.methods.eviction import EvictionCache
+    from kvcompress.methods.keyformer import Keyformer
 
     H, rep, D = 32, 4, 128
     for n_kept in (2048, 8192):
         for positions in ("exact", "compact"):
             cfg = Keyformer(budget=n_kept, positions=positions)
-            cache = KeyformerCache(cfg, 0, H, D, nn.RoPE(D, base=500000.0), D**-0.5)
+            cache = EvictionCache(cfg, 0, 1, H, D, nn.RoPE(D, base=500000.0), D**-0.5)
             keys = mx.random.normal((H, n_kept, D)).astype(mx.float16)
-            cache.state = keys, keys, mx.random.uniform(shape=(H, n_kept)), mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (H, n_kept))
+            cache.keys = cache.values = keys
+            cache.scores = mx.random.uniform(shape=(H, n_kept))
+            cache.positions = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (H, n_kept))
             cache.batch, cache.position, cache.offset, cache.prompt_len = 1, n_kept, n_kept, n_kept
             cache.capacity, cache.recent = cfg.resolve(n_kept)
             k = mx.random.normal((1, H, 1, D)).astype(mx.float16)
             q = mx.random.normal((1, H * rep, 1, D)).astype(mx.float16)
 
             def step():
-                cache.update_and_fetch(k, k)
-                return cache.attention(q, None, None, scale=D**-0.5, mask=None), *cache.state
+                keys, values = cache.update_and_fetch(k, k)
+                return cache.attention(q, keys, values, scale=D**-0.5, mask=None), *cache.state[:4]
 
             print(f"  n_kept={n_kept:>5} positions={positions:>7} step_ms={median_ms(step):.3f} kept={cache.tokens_kept}")
 

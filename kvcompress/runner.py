@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import attention, datasets
-from .memory import live_kv_bytes, tokens_kept
+from .memory import budget_tokens, live_kv_bytes, tokens_kept
 from .methods.base import Method
 from .metrics import step_metrics
 from .results import run_id
@@ -232,6 +232,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         start = time.perf_counter()
         caches = derive_cache(model, method.for_run(ref.steps), ref.prefilled)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
+        row["budget_tokens"] = budget_tokens(caches)
         # the free-running answer starts from the same compressed prompt: copy it, do not re-derive
         answer_caches = copy.deepcopy(caches) if ref.continuation is None else None
         for s in range(ref.steps):

@@ -18,7 +18,7 @@ queries. The first single-token call is the prompt's last query (mlx-lm's genera
 after it the cache resolves the budget to `capacity` tokens per row (and `recent`, the protected
 window), scores the prompt and selects: the first `n_sink` and last `recent` slots are kept, then
 the highest-scoring rest. Each later step appends, updates scores, and evicts the lowest unprotected
-slot per row (kvcompress/kernels/keyformer_evict.py). The sweep's `from_prefill` reaches the same
+slot per row (kvcompress/kernels/evict.py). The sweep's `from_prefill` reaches the same
 state from a finished full prefill (tested: same positions, same scores).
 
 Positions: "exact" keeps every key rotated at its true position and `offset` is the true position;
@@ -45,7 +45,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
 from ..attention import attention_geometry, install
-from ..kernels.keyformer_evict import evict_one, protected_mask, rotate_pairs
+from ..kernels.evict import evict_one, protected_mask, rotate_pairs
 from .base import CompressedCache, ConfigError, Method, array_bytes, budget_tokens, check, check_budget
 from .prompt_scores import accumulated_attention, folded_logits
 

@@ -1,7 +1,7 @@
-"""Keyformer decode-step eviction on a GPU: fused kernel vs MLX reference, bit-exactness and time.
+"""Decode-step eviction (every eviction method) on a GPU: fused kernel vs MLX reference, bit-exactness and time.
 
 Run on the lent H200 (imports only mlx and the kernel module, by file path):
-    python3 benchmarks/keyformer_gpu.py
+    python3 benchmarks/evict_gpu.py
 Prints one table: per configuration, whether every output is bit-identical to the MLX reference,
 and the median time per step of each path at B*H_kv = 32, n = 8192, D = 128 (the issue's shape).
 """
@@ -14,8 +14,8 @@ import time
 
 import mlx.core as mx
 
-_path = pathlib.Path(__file__).resolve().parents[1] / "kvcompress" / "kernels" / "keyformer_evict.py"
-_spec = importlib.util.spec_from_file_location("keyformer_evict", _path)
+_path = pathlib.Path(__file__).resolve().parents[1] / "kvcompress" / "kernels" / "evict.py"
+_spec = importlib.util.spec_from_file_location("evict", _path)
 kernel = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kernel)
 

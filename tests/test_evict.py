@@ -1,7 +1,7 @@
-"""The decode-step eviction (kvcompress/kernels/keyformer_evict.py), MLX reference path.
+"""The decode-step eviction (kvcompress/kernels/evict.py), MLX reference path.
 
 The CUDA kernel is checked bit-exact against this reference on the H200 by
-benchmarks/keyformer_gpu.py (it cannot run on CPU); here the reference itself is checked against a
+benchmarks/evict_gpu.py (it cannot run on CPU); here the reference itself is checked against a
 plain per-row loop and RoPE algebra.
 """
 
@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from kvcompress.kernels import keyformer_evict as kernel
+from kvcompress.kernels import evict as kernel
 from kvcompress.methods.eviction import rope_rotations
 
 

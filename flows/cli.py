@@ -1,19 +1,40 @@
-"""`kvcompress` command line: sweep, report, methods."""
+"""`kvcompress` command line: sweep, report, check, methods."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import warnings
 
 import kvcompress  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
-from kvcompress.methods import ConfigError, methods
-from kvcompress.results import default_root
+from kvcompress.errors import ConfigError
+from kvcompress.methods import methods
+from kvcompress.results import check_root, default_root, quarantine, scan, validate_sweep_id
 from kvcompress.sweep import load_spec
+
+
+@contextlib.contextmanager
+def prefect_api():
+    """The configured Prefect server, or a temporary local one that dies with this process
+    (Prefect's own ephemeral server outlives a `kill -9` of its parent)."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield os.environ["PREFECT_API_URL"]
+        return
+    from flows.local_server import LocalServer
+
+    print("starting a temporary local Prefect server (set PREFECT_API_URL to use yours)", file=sys.stderr)
+    with LocalServer() as api:
+        os.environ["PREFECT_API_URL"] = api
+        yield api
 
 
 def cmd_sweep(args) -> int:
     spec = load_spec(args.grid)
+    if args.sweep_id is not None:
+        validate_sweep_id(args.sweep_id, "--sweep-id")
     shards = spec.shards()  # validates every cell; a SweepError lists them all
     if args.dry_run:
         for config in spec.method_configs():
@@ -22,24 +43,44 @@ def cmd_sweep(args) -> int:
             print(f"shard {shard.dataset} {json.dumps(shard.dataset_params, sort_keys=True)} sample {shard.sample_index}")
         print(json.dumps(spec.estimate()))
         return 0
-    from flows.sweep import sweep
-    from tasks.report import render_reports
+    check_root(args.results)  # before the model loads: a bad root fails here, once
+    with prefect_api():
+        from flows.sweep import sweep
+        from tasks.report import render_reports
 
-    sweep(grid=args.grid, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
-          shard_timeout_s=args.shard_timeout)
+        sweep(grid=args.grid, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
+              shard_timeout_s=args.shard_timeout)
     print(render_reports(args.results))
     return 0
 
 
 def cmd_report(args) -> int:
-    from tasks.report import DEFAULT_REPORTS, render_reports
+    from tasks.report import DEFAULT_REPORTS, render_reports, sql_file
 
+    for name in args.sql or ():
+        sql_file(name)  # an unknown report name fails before any query
     print(render_reports(args.results, args.sql or DEFAULT_REPORTS))
     if args.html:
         from tasks.html_report import write_html
 
         print(f"wrote {write_html(args.results, args.html)}")
     return 0
+
+
+def cmd_check(args) -> int:
+    """List (and with --repair move aside) files no report or resume should trust."""
+    problems = scan(args.results)
+    for problem in problems:
+        print(f"{problem.path}: {problem.reason}")
+    if not problems:
+        print(f"{args.results}: every run reads back whole")
+        return 0
+    if args.repair:
+        moved = quarantine(args.results, problems)
+        print(f"moved {len(moved)} file(s) under {args.results}/_quarantine; the next sweep reruns those runs")
+        return 0
+    print(f"{len(problems)} problem(s); `kvcompress check --repair` moves them aside")
+    return 1
 
 
 def cmd_methods(args) -> int:
@@ -70,6 +111,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--html", default=None, help="also write a self-contained HTML report here")
     r.set_defaults(func=cmd_report)
 
+    c = sub.add_parser("check", help="list broken result files and stale temp files (--repair moves them aside)")
+    c.add_argument("--results", default=None, help=results_help)
+    c.add_argument("--repair", action="store_true", help="move the listed files under RESULTS/_quarantine")
+    c.set_defaults(func=cmd_check)
+
     m = sub.add_parser("methods", help="list compression methods and their parameters")
     m.set_defaults(func=cmd_methods)
     return p
@@ -79,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if getattr(args, "results", None) is None and hasattr(args, "results"):
         args.results = default_root()
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
     try:
         return args.func(args)
     except ConfigError as exc:

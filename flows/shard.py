@@ -12,10 +12,12 @@ from typing import Any
 
 from prefect import flow
 
+from kvcompress.results import validate_sweep_id
 from tasks.sweep import run_shard
 
 
 @flow(name="sweep-shard")
 def sweep_shard(shard: dict[str, Any], model: str, decode_steps: int, sweep_id: str, results: str,
                 run_timeout_s: float | None = None) -> dict:
+    validate_sweep_id(sweep_id)
     return run_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s)

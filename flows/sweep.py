@@ -19,7 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
-from kvcompress.results import default_root, finished_run_ids
+from kvcompress.results import check_root, default_root, finished_run_ids, validate_sweep_id
 from tasks.datasets import load_dataset
 from tasks.regression import regression_report
 from tasks.report import artifact_key, publish_artifacts, report
@@ -64,7 +64,10 @@ def sweep(
     """
     logger = get_run_logger()
     results = results or default_root()
+    if sweep_id is not None:
+        validate_sweep_id(sweep_id)
     plan = plan_sweep(grid)  # raises before any work if any cell is invalid
+    check_root(results)  # an unwritable or unknown results root fails once, before any model load
     if nightly:
         sweep_id = sweep_id or f"{plan['name']}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     sweep_id = sweep_id or plan["name"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from . import datasets
 from .methods import method_config
-from .model import load_model, load_tokenizer, model_fingerprint
+from .model import context_window, load_model, load_tokenizer, model_fingerprint
 from .results import finished_run_ids, run_id, write_run
 from .runner import RunContext, run_config, run_sample
 
@@ -39,11 +39,16 @@ def execute_shard(shard: dict[str, Any], model_name: str, decode_steps: int, swe
     finished = finished_run_ids(results, sweep_id)
     methods = shard_methods(shard)
     todo = [m for m in methods if run_id(run_config(context, sample, m)) not in finished]
+    window = context_window(model_name)
+    beyond_window = bool(window and json.loads(shard["dataset_params"]).get("context_tokens", 0) > window)
+
+    def write(record) -> None:
+        if beyond_window:  # the grid opted in (allow_beyond_window): every report shows it
+            record.run["config_label"] += f" [beyond {window}-token window]"
+        write_run(results, sweep_id, record.method, record.run, record.steps)
+
     failed = 0
     if todo:
-        records = run_sample(
-            model, tokenizer, sample, todo, context,
-            on_record=lambda r: write_run(results, sweep_id, r.method, r.run, r.steps),
-        )
+        records = run_sample(model, tokenizer, sample, todo, context, on_record=write)
         failed = sum(r.run["status"] != "ok" for r in records)
     return {"skipped": len(methods) - len(todo), "ran": len(todo), "failed": failed}

@@ -347,6 +347,30 @@ def model_fingerprint(name_or_path: str = EMBEDDED) -> str:
     return digest.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=8)
+def context_window(name_or_path: str = EMBEDDED) -> int | None:
+    """The model's trained context length in tokens, read without building the model (GGUF
+    metadata, or `max_position_embeddings` in a local config.json); None when it cannot be known
+    offline (a hub id not in the local cache)."""
+    if is_embedded(name_or_path):
+        return _meta_int(_gguf(str(smollm2_gguf()))[1], "llama.context_length")
+    resolved = Path(_resolve(str(name_or_path)))
+    config = resolved / "config.json" if resolved.is_dir() else None
+    if config is None:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config = Path(hf_hub_download(str(name_or_path), "config.json", local_files_only=True))
+        except Exception:  # not cached locally: the hub is the only one who knows
+            return None
+    if not config.exists():
+        return None
+    args = json.loads(config.read_text())
+    args = args.get("text_config", args)
+    window = args.get("max_position_embeddings")
+    return int(window) if window else None
+
+
 def model_info(model: nn.Module) -> dict:
     """The numbers a report needs about a model: geometry, dtype, RoPE base."""
     from .attention import attention_geometry

@@ -4,9 +4,11 @@
     {root}/steps/sweep_id={sweep}/method={method}/{run_id}.parquet   one row per decode step
 
 `sweep_id` and `method` live in the directory names only (DuckDB's `hive_partitioning` turns
-them into columns and prunes on them). A run is finished when its `runs` file exists: the steps
+them into columns and prunes on them), so both are validated before they become a path. The steps
 file is written first, each file goes to a temporary name and is renamed into place, so a reader
-never sees a half-written file and a killed writer leaves no finished-looking run behind.
+never sees a half-written file. A run is finished when both of its files read back with the row
+counts the runs row promises (`step_rows`); anything else (a truncated or foreign file, a lost
+steps file) is rerun by the next sweep, and `scan` / `quarantine` list and move such files aside.
 `root` is a local path or any URL pyarrow understands (s3://, gs://, file://, ...).
 """
 
@@ -15,12 +17,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
+import re
+import socket
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from .errors import ConfigError
 
 RUNS_SCHEMA = pa.schema(
     [
@@ -46,6 +55,7 @@ RUNS_SCHEMA = pa.schema(
         ("tokens_kept", pa.int64()),
         ("peak_memory_bytes", pa.int64()),
         ("decode_steps", pa.int64()),
+        ("step_rows", pa.int64()),  # rows of this run in `steps` (resume checks the file holds them)
         ("prediction", pa.string()),
         ("config_label", pa.string()),  # method + non-default parameters: what reports group by
         ("config", pa.string()),  # JSON of the full run configuration (what run_id hashes)
@@ -73,6 +83,22 @@ STEPS_SCHEMA = pa.schema(
 TABLES = {"runs": RUNS_SCHEMA, "steps": STEPS_SCHEMA}
 
 
+SWEEP_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+SWEEP_ID_MAX_LEN = 128
+STALE_TEMP_S = 3600.0  # a temp file this old is a crashed write, whatever host wrote it
+QUARANTINE = "_quarantine"  # where `quarantine` moves broken files (outside every table's glob)
+
+
+def validate_sweep_id(value: Any, field: str = "sweep_id") -> str:
+    """A sweep id becomes a directory name and a hive partition value: letters, digits, `.`, `_`
+    and `-` only (no `/`, `=`, `..`), starting with a letter or digit, at most 128 characters."""
+    if not (isinstance(value, str) and SWEEP_ID_PATTERN.fullmatch(value) and ".." not in value
+            and len(value) <= SWEEP_ID_MAX_LEN):
+        raise ConfigError(f"{field}: expected 1-{SWEEP_ID_MAX_LEN} characters of [A-Za-z0-9._-], starting with a "
+                          f"letter or digit and without '..', got {value!r}")
+    return value
+
+
 def run_id(config: dict[str, Any]) -> str:
     """Stable id of a run: sha256 of its canonical JSON configuration (16 hex digits)."""
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
@@ -85,35 +111,199 @@ def default_root() -> str:
 
 def _filesystem(root: str) -> tuple[pafs.FileSystem, str]:
     if "://" in root:
-        return pafs.FileSystem.from_uri(root)
+        try:
+            return pafs.FileSystem.from_uri(root)
+        except (pa.ArrowException, ValueError) as exc:
+            scheme = root.split("://", 1)[0]
+            raise ConfigError(f"results: unsupported location {root!r} ({scheme}://): use a local path, file://, "
+                              f"s3://, gs:// or hdfs:// ({str(exc).splitlines()[0]})") from None
     return pafs.LocalFileSystem(), os.path.abspath(root)
 
 
+def check_root(root: str) -> None:
+    """Fail fast, before any model load, when `root` cannot hold results: an unknown scheme, an
+    unreachable store, a path that is not writable. Writes and removes one small probe file."""
+    fs, base = _filesystem(root)
+    probe = f"{base}/.write-probe-{uuid.uuid4().hex}"
+    try:
+        fs.create_dir(base, recursive=True)
+        with fs.open_output_stream(probe) as out:
+            out.write(b"ok")
+        fs.delete_file(probe)
+    except (OSError, pa.ArrowException) as exc:
+        raise ConfigError(f"results: cannot write to {root!r}: {str(exc).splitlines()[0]}") from None
+
+
+def _inside(base: str, path: str) -> bool:
+    if os.path.isabs(base):  # local: resolve links too
+        base, path = os.path.realpath(base), os.path.realpath(path)
+        return os.path.commonpath([base, path]) == base
+    base, path = posixpath.normpath(base), posixpath.normpath(path)
+    return path == base or path.startswith(base.rstrip("/") + "/")
+
+
+def _temp_name(name: str) -> str:
+    """`.{name}.{host}.{pid}.{uuid}.tmp`: who wrote it, so a crashed writer's file is recognisable."""
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
+    return f".{name}.{host}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+
+
+def _temp_is_stale(base_name: str, mtime_s: float | None) -> bool:
+    """A temp file from a dead process on this host, or older than STALE_TEMP_S from anywhere."""
+    parts = base_name.split(".")
+    if len(parts) >= 5 and parts[-4] == re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) and parts[-3].isdigit():
+        pid = int(parts[-3])
+        if pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                pass
+    return mtime_s is not None and time.time() - mtime_s > STALE_TEMP_S
+
+
 def write_table(root: str, relative_dir: str, name: str, table: pa.Table) -> str:
-    """Write `table` to {root}/{relative_dir}/{name}.parquet atomically (temp file + rename)."""
+    """Write `table` to {root}/{relative_dir}/{name}.parquet atomically (temp file + rename).
+
+    Refuses any path that resolves outside `root`; removes stale temp files of the same name."""
     fs, base = _filesystem(root)
     directory = f"{base}/{relative_dir}"
-    fs.create_dir(directory, recursive=True)
     final = f"{directory}/{name}.parquet"
-    temporary = f"{directory}/.{name}.{uuid.uuid4().hex}.tmp"
+    if not _inside(base, final) or "/" in name:
+        raise ConfigError(f"results: refusing to write {final!r}: outside the results root {base!r}")
+    fs.create_dir(directory, recursive=True)
+    temporary = f"{directory}/{_temp_name(name)}"
     pq.write_table(table, temporary, filesystem=fs)
     fs.move(temporary, final)
+    for info in fs.get_file_info(pafs.FileSelector(directory)):
+        if info.base_name.startswith(f".{name}.") and info.base_name.endswith(".tmp") and \
+                _temp_is_stale(info.base_name, info.mtime.timestamp() if info.mtime else None):
+            fs.delete_file(info.path)
     return final
 
 
 def write_run(root: str, sweep_id: str, method: str, run: dict[str, Any], steps: list[dict[str, Any]]) -> None:
     """Write one run's steps, then its runs row (the row marks the run finished)."""
+    validate_sweep_id(sweep_id)
+    validate_sweep_id(method, "method")
+    run = {**run, "step_rows": len(steps)}
     for table, rows in (("steps", steps), ("runs", [run])):
         partition = f"{table}/sweep_id={sweep_id}/method={method}"
         write_table(root, partition, run["run_id"], pa.Table.from_pylist(rows, schema=TABLES[table]))
 
 
+@dataclass(frozen=True)
+class Problem:
+    """A file under a results root that no report or resume should trust."""
+
+    path: str
+    reason: str
+
+
+def _parquet_files(fs: pafs.FileSystem, directory: str) -> list[pafs.FileInfo]:
+    selector = pafs.FileSelector(directory, recursive=True, allow_not_found=True)
+    return [i for i in fs.get_file_info(selector) if i.is_file]
+
+
+def _rows(fs: pafs.FileSystem, path: str) -> int | None:
+    """Row count from the Parquet footer, or None when the file is not readable Parquet."""
+    try:
+        return pq.read_metadata(path, filesystem=fs).num_rows
+    except (OSError, pa.ArrowException):
+        return None
+
+
+def _promised_step_rows(fs: pafs.FileSystem, path: str) -> int | None:
+    """The runs row's `step_rows` (None for files written before the column existed)."""
+    table = pq.read_table(path, filesystem=fs)
+    return table.column("step_rows")[0].as_py() if "step_rows" in table.column_names else None
+
+
+def _run_problem(fs: pafs.FileSystem, runs_path: str, steps_path: str) -> str | None:
+    """Why a run's pair of files is not a finished run, or None when it is."""
+    if _rows(fs, runs_path) != 1:
+        return "runs file is not readable Parquet with one row"
+    steps_rows = _rows(fs, steps_path)
+    if steps_rows is None:
+        return "its steps file is missing or not readable Parquet"
+    try:
+        promised = _promised_step_rows(fs, runs_path)
+    except (OSError, pa.ArrowException) as exc:
+        return f"runs file does not read back: {exc}"
+    if promised is not None and promised != steps_rows:
+        return f"steps file holds {steps_rows} rows, the run wrote {promised}"
+    return None
+
+
 def finished_run_ids(root: str, sweep_id: str) -> set[str]:
-    """Run ids of a sweep whose `runs` file exists (finished, whatever their status)."""
+    """Run ids of a sweep whose runs and steps files both read back whole (whatever their status)."""
     fs, base = _filesystem(root)
-    selector = pafs.FileSelector(f"{base}/runs/sweep_id={sweep_id}", recursive=True, allow_not_found=True)
-    return {
-        info.base_name[: -len(".parquet")]
-        for info in fs.get_file_info(selector)
-        if info.is_file and info.base_name.endswith(".parquet") and not info.base_name.startswith(".")
-    }
+    finished = set()
+    for info in _parquet_files(fs, f"{base}/runs/sweep_id={sweep_id}"):
+        if info.base_name.startswith(".") or not info.base_name.endswith(".parquet"):
+            continue
+        steps_path = f"{base}/steps/" + posixpath.relpath(info.path, f"{base}/runs")
+        if _run_problem(fs, info.path, steps_path) is None:
+            finished.add(info.base_name[: -len(".parquet")])
+    return finished
+
+
+def scan(root: str) -> list[Problem]:
+    """Every file under `root` a report or a resume must not trust: unreadable `*.parquet`, runs
+    whose steps do not match, and stale temp files of crashed writes."""
+    fs, base = _filesystem(root)
+    problems = []
+    for info in _parquet_files(fs, base):
+        relative = posixpath.relpath(info.path, base)
+        top = relative.split("/", 1)[0]
+        if top == QUARANTINE:
+            continue
+        name = info.base_name
+        if name.startswith(".") and name.endswith(".tmp"):
+            if _temp_is_stale(name, info.mtime.timestamp() if info.mtime else None):
+                problems.append(Problem(info.path, "stale temporary file of a crashed write"))
+        elif name.endswith(".parquet") and not name.startswith("."):
+            if top == "runs":
+                reason = _run_problem(fs, info.path, f"{base}/steps/" + relative.split("/", 1)[1])
+                if reason is not None:
+                    problems.append(Problem(info.path, reason))
+            elif _rows(fs, info.path) is None:  # steps without a runs row are a run in progress: left alone
+                problems.append(Problem(info.path, "not readable Parquet"))
+    return problems
+
+
+def quarantine(root: str, problems: list[Problem]) -> list[str]:
+    """Move each problem file to {root}/_quarantine/<UTC time>/<its relative path>; returns the
+    new paths. Reports and resume never read there; the next sweep reruns the runs involved."""
+    fs, base = _filesystem(root)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    paths = []
+    for problem in problems:  # a broken run goes with its steps file, so the pair stays together
+        relative = posixpath.relpath(problem.path, base)
+        paths.append(relative)
+        if relative.startswith("runs/") and problem.path.endswith(".parquet"):
+            paths.append("steps/" + relative.split("/", 1)[1])
+    moved = []
+    for relative in dict.fromkeys(paths):
+        if fs.get_file_info(f"{base}/{relative}").type == pafs.FileType.NotFound:
+            continue
+        target = f"{base}/{QUARANTINE}/{stamp}/{relative}"
+        fs.create_dir(posixpath.dirname(target), recursive=True)
+        fs.move(f"{base}/{relative}", target)
+        moved.append(target)
+    return moved
+
+
+def readable_files(root: str, table: str) -> tuple[list[str], list[Problem]]:
+    """The `*.parquet` files of one table that read as Parquet, and the ones that do not."""
+    fs, base = _filesystem(root)
+    good, bad = [], []
+    for info in _parquet_files(fs, f"{base}/{table}"):
+        if info.base_name.startswith(".") or not info.base_name.endswith(".parquet"):
+            continue
+        (good if _rows(fs, info.path) is not None else bad).append(info.path)
+    if not isinstance(fs, pafs.LocalFileSystem):  # object stores list "bucket/key": readers need the scheme back
+        scheme = root.split("://", 1)[0]
+        good = [f"{scheme}://{p}" for p in good]
+    return good, [Problem(p, "not readable Parquet") for p in bad]

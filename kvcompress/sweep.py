@@ -35,8 +35,11 @@ from typing import Any
 import yaml
 
 from . import datasets
+from .errors import ConfigError
 from .methods import method_config
-from .methods.base import ConfigError, Method
+from .methods.base import Method
+from .model import context_window
+from .results import validate_sweep_id
 
 GRIDS_DIR = Path(__file__).parent / "grids"
 
@@ -50,7 +53,10 @@ class SweepError(ConfigError):
 
     def __init__(self, errors: list[str]):
         self.errors = errors
-        super().__init__(f"{len(errors)} invalid setting(s); nothing was run:\n  " + "\n  ".join(errors))
+        if len(errors) == 1:  # one line, as every other error of the CLI
+            super().__init__(f"{errors[0]} (nothing was run)")
+        else:
+            super().__init__(f"{len(errors)} invalid settings; nothing was run:\n  " + "\n  ".join(errors))
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ class SweepSpec:
     model: str = "smollm2-135m"
     decode_steps: int = 32
     run_timeout_s: float | None = 1800.0  # per method run; a slower run is recorded as "timeout"
+    allow_beyond_window: bool = False  # run contexts longer than the model was trained on (marked)
     datasets: tuple[DatasetAxis, ...] = ()
     methods: tuple[MethodAxis, ...] = ()
 
@@ -123,6 +130,13 @@ class SweepSpec:
 
     def _expand(self) -> list[Method]:
         errors: list[str] = []
+        try:
+            validate_sweep_id(self.name, "name")
+        except ConfigError as exc:
+            errors.append(str(exc))
+        if not isinstance(self.allow_beyond_window, bool):
+            errors.append(f"allow_beyond_window: expected true or false, got {self.allow_beyond_window!r}")
+        window = self.context_window()
         if not (isinstance(self.decode_steps, int) and 1 <= self.decode_steps <= 4096):
             errors.append(f"decode_steps: expected an int in [1, 4096], got {self.decode_steps!r}")
         if self.run_timeout_s is not None and not (isinstance(self.run_timeout_s, (int, float)) and self.run_timeout_s > 0):
@@ -137,6 +151,10 @@ class SweepSpec:
                     datasets.validate(axis.name, axis.loader_params(length))
                 except ConfigError as exc:
                     errors.append(f"datasets[{i}] ({axis.name}): {exc}")
+                if window and isinstance(length, int) and length > window and self.allow_beyond_window is not True:
+                    errors.append(f"datasets[{i}] ({axis.name}).context_tokens: expected at most {window} (the "
+                                  f"context window of {self.model}), got {length}; set `allow_beyond_window: true` "
+                                  f"to run it anyway (its runs are marked)")
         configs: list[Method] = []
         for i, axis in enumerate(self.methods):
             for params in axis.cells():
@@ -149,6 +167,17 @@ class SweepSpec:
         if errors:
             raise SweepError(errors)
         return configs
+
+    def context_window(self) -> int | None:
+        """The model's context window (None when unknown offline; a bad model name is the loader's error)."""
+        try:
+            return context_window(self.model)
+        except ConfigError:
+            return None
+
+    def beyond_window(self, context_tokens: int) -> bool:
+        window = self.context_window()
+        return bool(window and context_tokens > window)
 
     def estimate(self) -> dict[str, Any]:
         """Cells, shards and a rough CPU time for `--dry-run`."""
@@ -179,8 +208,8 @@ def _mapping(d: Any, allowed: set[str], where: str, named: bool = True) -> dict:
 
 def parse_spec(data: dict[str, Any]) -> SweepSpec:
     """Build a spec from a mapping, rejecting unknown keys with their allowed names."""
-    top = _mapping(data, {"name", "model", "decode_steps", "run_timeout_s", "datasets", "methods"}, "sweep",
-                   named=False)
+    top = _mapping(data, {"name", "model", "decode_steps", "run_timeout_s", "allow_beyond_window", "datasets",
+                          "methods"}, "sweep", named=False)
     dataset_axes = []
     for i, raw in enumerate(top.get("datasets") or []):
         d = _mapping(raw, {"name", "params", "context_tokens", "num_samples", "seed"}, f"datasets[{i}]")
@@ -196,7 +225,7 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
                                       grid={k: list(_as_tuple(v)) for k, v in (m.get("grid") or {}).items()}))
     return SweepSpec(name=str(top.get("name", "sweep")), model=top.get("model", "smollm2-135m"),
                      decode_steps=top.get("decode_steps", 32), run_timeout_s=top.get("run_timeout_s", 1800.0),
-                     datasets=tuple(dataset_axes), methods=tuple(method_axes))
+                     allow_beyond_window=top.get("allow_beyond_window", False), datasets=tuple(dataset_axes), methods=tuple(method_axes))
 
 
 def load_spec(source: str | dict[str, Any]) -> SweepSpec:
@@ -209,4 +238,11 @@ def load_spec(source: str | dict[str, Any]) -> SweepSpec:
     if not path.exists():
         builtin = sorted(p.stem for p in GRIDS_DIR.glob("*.yaml"))
         raise SweepError([f"grid: expected a YAML file or one of {builtin}, got {source!r}"])
-    return parse_spec(yaml.safe_load(path.read_text()))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SweepError([f"grid: malformed YAML at {where}: {problem}"]) from None
+    return parse_spec(data)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# A local Prefect server (SQLite, 127.0.0.1), a process work pool, the deployments and a worker.
+# A local Prefect server (SQLite), a process work pool, the deployments and a worker.
 # Usage: scripts/prefect_local.sh {server|pool|deploy|worker|workers N|run NAME [--param k=v ...]|stop|demo}
 # Environment (set by the Makefile): PREFECT_HOME, PREFECT_API_URL, KVCOMPRESS_HOME, VENV.
+# PREFECT_SERVER_HOST: the address the server binds, 127.0.0.1 (this machine only) by default;
+# 0.0.0.0 (or one interface's address) serves workers on other machines. The API has no
+# authentication: bind beyond loopback only on a network you trust.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVCOMPRESS_HOME=${KVCOMPRESS_HOME:-$PWD}
@@ -9,7 +12,8 @@ export PREFECT_HOME=${PREFECT_HOME:-$PWD/.prefect}
 export PREFECT_API_URL=${PREFECT_API_URL:-http://127.0.0.1:4200/api}
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 venv=${VENV:-.venv}
-export PATH="$PWD/$venv/bin:$PATH"
+case $venv in /*) ;; *) venv=$PWD/$venv ;; esac
+export PATH="$venv/bin:$PATH"
 port=$(python -c "import urllib.parse,os; print(urllib.parse.urlparse(os.environ['PREFECT_API_URL']).port or 4200)")
 pool=kvcompress
 mkdir -p "$PREFECT_HOME"
@@ -18,10 +22,14 @@ healthy() { python -c "import urllib.request,os,sys; urllib.request.urlopen(os.e
 
 server() {
   if healthy; then echo "prefect server: already up at $PREFECT_API_URL"; return; fi
-  nohup prefect server start --host 127.0.0.1 --port "$port" --no-ui >"$PREFECT_HOME/server.log" 2>&1 &
+  nohup prefect server start --host "${PREFECT_SERVER_HOST:-127.0.0.1}" --port "$port" --no-ui >"$PREFECT_HOME/server.log" 2>&1 &
   echo $! >"$PREFECT_HOME/server.pid"
-  for _ in $(seq 120); do healthy && { echo "prefect server: up at $PREFECT_API_URL"; return; }; sleep 1; done
-  echo "prefect server did not become healthy; see $PREFECT_HOME/server.log" >&2; exit 1
+  for _ in $(seq 180); do
+    healthy && { echo "prefect server: up at $PREFECT_API_URL (bound to ${PREFECT_SERVER_HOST:-127.0.0.1})"; return; }
+    kill -0 "$(cat "$PREFECT_HOME/server.pid")" 2>/dev/null || break
+    sleep 1
+  done
+  echo "prefect server did not become healthy; see $PREFECT_HOME/server.log:" >&2; tail -n 20 "$PREFECT_HOME/server.log" >&2; exit 1
 }
 
 pool() {  # `kvcompress` runs sweep flows; `kvcompress-shards` runs the shards of distributed sweeps

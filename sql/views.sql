@@ -1,14 +1,16 @@
 -- Views every report reads. Set the results root first:
 --   SET VARIABLE kv_results = 'results';   (a path or URL)
 -- sweep_id and method come from the hive directories (read as text, never guessed numeric).
+-- `kvcompress report` also sets kv_runs_files / kv_steps_files to the files that read as
+-- Parquet, so one corrupt file is skipped with a warning instead of failing every report.
 CREATE OR REPLACE VIEW runs AS
 SELECT *
-FROM read_parquet(getvariable('kv_results') || '/runs/**/*.parquet',
+FROM read_parquet(coalesce(getvariable('kv_runs_files'), [getvariable('kv_results') || '/runs/**/*.parquet']),
                   hive_partitioning = true, union_by_name = true,
                   hive_types = {'sweep_id': VARCHAR, 'method': VARCHAR});
 
 CREATE OR REPLACE VIEW steps AS
 SELECT *
-FROM read_parquet(getvariable('kv_results') || '/steps/**/*.parquet',
+FROM read_parquet(coalesce(getvariable('kv_steps_files'), [getvariable('kv_results') || '/steps/**/*.parquet']),
                   hive_partitioning = true, union_by_name = true,
                   hive_types = {'sweep_id': VARCHAR, 'method': VARCHAR});

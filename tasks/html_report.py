@@ -10,15 +10,13 @@ import io
 import pathlib
 from datetime import datetime, timezone
 
-import duckdb
 import matplotlib
 
 matplotlib.use("Agg")  # headless: no display on CI or in a flow worker
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from kvcompress.methods.base import ConfigError, check  # noqa: E402
-from kvcompress.results import default_root  # noqa: E402
+from kvcompress.errors import check  # noqa: E402
 from tasks.report import DEFAULT_REPORTS, connect, format_cell, sweep_reports  # noqa: E402
 
 PANEL_INCHES = (4.6, 3.4)
@@ -71,12 +69,9 @@ def write_html(results: str | None, path: str, sweep_id: str | None = None) -> p
 
 def sweep_ids(results: str | None) -> list[str]:
     """Sweeps under `results`, the one with the newest run first."""
-    try:
-        rows = connect(results).sql(
-            "SELECT sweep_id FROM runs GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
-        ).fetchall()
-    except duckdb.IOException as error:  # no Parquet file at all under the root
-        raise ConfigError(f"results: expected a results root with finished runs, got {results or default_root()!r}") from error
+    rows = connect(results).sql(  # a ConfigError with a hint when there are no runs at all
+        "SELECT sweep_id FROM runs GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
+    ).fetchall()
     return [r[0] for r in rows]
 
 

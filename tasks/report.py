@@ -4,13 +4,17 @@ one report per sql/NAME.sql. The library never imports DuckDB; reports live here
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from kvcompress.results import default_root
+from kvcompress.errors import ConfigError
+from kvcompress.results import TABLES, default_root, readable_files
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
@@ -18,19 +22,53 @@ DEFAULT_REPORTS = ("summary", "pareto", "degradation", "speed_memory", "compare_
 
 
 def connect(results: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with the `runs`, `steps` and `run_scores` views over `results`."""
-    root = results or default_root()
+    """An in-memory DuckDB with the `runs`, `steps` and `run_scores` views over `results`.
+
+    Only files that read as Parquet are viewed: each one that does not is named in one warning
+    (`kvcompress check --repair` moves them aside). No runs at all is a `ConfigError` with a hint."""
+    root = (results or default_root()).rstrip("/")
     con = duckdb.connect()
-    con.execute("SET VARIABLE kv_results = ?", [root.rstrip("/")])
-    for name in VIEW_FILES:
+    con.execute("SET VARIABLE kv_results = ?", [root])
+    files = {}
+    for table in TABLES:
+        files[table], broken = readable_files(root, table)
+        for problem in broken:
+            warnings.warn(f"skipping {problem.path}: {problem.reason} (see `kvcompress check`)", stacklevel=2)
+    if not files["runs"]:
+        raise ConfigError(f"results: no runs under {root!r}: run `kvcompress sweep` first, or pass --results")
+    for table, paths in files.items():
+        if paths:
+            con.execute(f"SET VARIABLE kv_{table}_files = ?", [paths])
+    for statement in (SQL_DIR / "views.sql").read_text().split(";\n"):  # one view per table
+        view = re.search(r"CREATE OR REPLACE VIEW (\w+) AS", statement)
+        if view and not files[view.group(1)]:  # e.g. only failed runs so far: no steps files
+            con.register(f"empty_{view.group(1)}", _empty(view.group(1)))
+            statement = f"CREATE OR REPLACE VIEW {view.group(1)} AS SELECT * FROM empty_{view.group(1)}"
+        if statement.strip():
+            con.execute(statement)
+    for name in VIEW_FILES[1:]:
         con.execute((SQL_DIR / name).read_text())
     return con
 
 
+def _empty(table: str) -> pa.Table:
+    """An empty table with the schema of `table` and its hive partition columns."""
+    schema = TABLES[table].append(pa.field("sweep_id", pa.string())).append(pa.field("method", pa.string()))
+    return schema.empty_table()
+
+
 def sql_file(name_or_path: str) -> Path:
-    """A report by name (sql/NAME.sql) or by path."""
+    """A report by name (sql/NAME.sql) or by path; a `ConfigError` listing the names otherwise."""
     path = Path(name_or_path)
-    return path if path.suffix == ".sql" and path.exists() else SQL_DIR / f"{name_or_path}.sql"
+    if path.suffix == ".sql":
+        if path.exists():
+            return path
+        raise ConfigError(f"--sql: no such file {name_or_path!r}")
+    path = SQL_DIR / f"{name_or_path}.sql"
+    if not path.exists() or name_or_path in ("views", "run_scores"):
+        names = sorted(p.stem for p in SQL_DIR.glob("*.sql") if p.name not in VIEW_FILES)
+        raise ConfigError(f"--sql: expected a .sql file or one of {names}, got {name_or_path!r}")
+    return path
 
 
 def run_report(con: duckdb.DuckDBPyConnection, name_or_path: str) -> tuple[list[str], list[tuple]]:

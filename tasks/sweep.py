@@ -7,8 +7,21 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from kvcompress.errors import ConfigError
 from kvcompress.execute import execute_shard
 from kvcompress.sweep import load_spec
+
+
+def retry_unless_config_error(task, task_run, state) -> bool:
+    """Retry what can succeed on retry (I/O, a killed process); a bad setting fails the same way
+    every time, so it fails at once."""
+    try:
+        state.result()
+    except ConfigError:
+        return False
+    except BaseException:
+        return True
+    return True
 
 
 @task(name="plan-sweep", cache_policy=NO_CACHE)
@@ -26,6 +39,7 @@ def plan_sweep(grid: str | dict[str, Any]) -> dict[str, Any]:
 
 
 @task(name="run-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30],
+      retry_condition_fn=retry_unless_config_error,
       task_run_name="run-shard-{shard[dataset]}-{shard[sample_index]}")
 def run_shard(shard: dict[str, Any], model: str, decode_steps: int, sweep_id: str, results: str,
               run_timeout_s: float | None = None) -> dict:

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,14 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 _prefect_home = Path(tempfile.mkdtemp(prefix="kvcompress-prefect-"))
 
+from flows.local_server import free_port  # noqa: E402  (imports nothing of Prefect)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-PREFECT_PORT = _free_port()
+PREFECT_PORT = free_port()
 os.environ["PREFECT_HOME"] = str(_prefect_home)
 os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{PREFECT_PORT}/api"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
@@ -42,33 +32,12 @@ def embedded():
     return kvcompress.load_model("smollm2-135m")
 
 
-def _healthy(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url + "/health", timeout=2)
-        return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def prefect_server():
-    """A real Prefect server (SQLite in a temp PREFECT_HOME, 127.0.0.1), started once per session."""
-    api = os.environ["PREFECT_API_URL"]
-    log = open(_prefect_home / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-         "--port", str(PREFECT_PORT), "--no-ui"],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
-    )
-    deadline = time.monotonic() + 90
-    while not _healthy(api):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"Prefect server failed to start:\n{(_prefect_home / 'server.log').read_text()}")
-        time.sleep(0.5)
-    yield api
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    """A real Prefect server (SQLite in a temp PREFECT_HOME, 127.0.0.1), started once per session,
+    under the watchdog that stops it with this process however the session ends."""
+    from flows.local_server import LocalServer
+
+    server = LocalServer(port=PREFECT_PORT, log=_prefect_home / "server.log")
+    yield server.start()
+    server.stop()

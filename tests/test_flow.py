@@ -13,18 +13,43 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
+from flows.local_server import stop_process_group
+
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = [sys.executable, "-m", "prefect"]
 
 
 def prefect(*args: str, env: dict) -> str:
-    done = subprocess.run([*PREFECT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*PREFECT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 
 
 def read_table(root: Path, table: str) -> list[dict]:
     return ds.dataset(root / table, partitioning="hive", format="parquet").to_table().to_pylist()
+
+
+def online_workers(pool: str) -> set[str]:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return {w.name for w in client.read_workers_for_work_pool(pool) if w.status.value == "ONLINE"}
+
+
+def start_worker(pool: str, name: str, env: dict, log: Path, limit: int | None = None) -> subprocess.Popen:
+    """A process worker in its own process group, returned once the server lists it online."""
+    command = [*PREFECT, "worker", "start", "--pool", pool, "--name", name]
+    if limit is not None:
+        command += ["--limit", str(limit)]
+    worker = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True,
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while name not in online_workers(pool):
+        if worker.poll() is not None or time.monotonic() > deadline:
+            stop_process_group(worker)
+            pytest.fail(f"worker {name} did not come online:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return worker
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +59,9 @@ def deployed(prefect_server, tmp_path_factory):
     for pool in ("kvcompress", "kvcompress-shards"):
         prefect("work-pool", "create", pool, "--type", "process", env=env)
     prefect("--no-prompt", "deploy", "--all", env=env)
-    log = open(tmp_path_factory.mktemp("worker") / "worker.log", "w")
-    worker = subprocess.Popen([*PREFECT, "worker", "start", "--pool", "kvcompress"], cwd=ROOT, env=env,
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = start_worker("kvcompress", "sweep-worker", env, tmp_path_factory.mktemp("worker") / "worker.log")
     yield env
-    os.killpg(worker.pid, signal.SIGTERM)
-    worker.wait(timeout=30)
+    stop_process_group(worker)
 
 
 def test_deployment_run_completes_and_writes_queryable_results(deployed, tmp_path):
@@ -68,31 +90,58 @@ def test_deployment_run_completes_and_writes_queryable_results(deployed, tmp_pat
     assert summary["mlx-quant"]["kv_ratio_to_full"] < 0.2 < summary["streaming"]["kv_ratio_to_full"] < 0.6
 
 
-def test_bad_grid_fails_before_any_work(deployed, tmp_path):
-    results = tmp_path / "results"
+@pytest.mark.parametrize("param", ["grid=no-such-grid", "sweep_id=../../../../ESCAPED"])
+def test_bad_grid_or_sweep_id_fails_before_any_work(deployed, tmp_path, param):
+    results = tmp_path / "sub" / "results"
     done = subprocess.run(
-        [*PREFECT, "deployment", "run", "sweep/default", "--param", "grid=no-such-grid",
+        [*PREFECT, "deployment", "run", "sweep/default", "--param", "grid=smoke", "--param", param,
          "--param", f"results={results}", "--watch"],
-        cwd=ROOT, env=deployed, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=deployed, capture_output=True, text=True, timeout=600,
     )
     assert "Failed" in done.stdout + done.stderr
-    assert not results.exists()
+    assert not (tmp_path / "sub").exists() and not list(tmp_path.parent.rglob("ESCAPED"))
 
 
-def test_killed_sweep_resumes_with_every_run_exactly_once(tmp_path):
-    """SIGKILL the in-process sweep as soon as its first run lands, rerun, count rows."""
+def processes_with_home(prefect_home: Path) -> list[str]:
+    """Command lines of live processes whose environment has PREFECT_HOME=prefect_home (Linux /proc)."""
+    needle = f"PREFECT_HOME={prefect_home}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return found
+
+
+def wait_until_gone(prefect_home: Path, timeout_s: float = 90) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_with_home(prefect_home)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds leftover processes through /proc")
+def test_killed_sweep_resumes_with_every_run_exactly_once_and_leaves_no_server(tmp_path):
+    """SIGKILL the in-process sweep as soon as its first run lands: its temporary Prefect server
+    goes with it; rerun, count rows; nothing is left running afterwards."""
     results = tmp_path / "results"
-    env = {**os.environ, "PREFECT_API_URL": ""}  # in-process: ephemeral Prefect, no server
+    home = tmp_path / "prefect-home"
+    env = {**os.environ, "PREFECT_API_URL": "", "PREFECT_HOME": str(home)}  # in-process: a temporary server
     cmd = [sys.executable, "-m", "flows.cli", "sweep", "smoke", "--results", str(results)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 600
     while not list(results.glob("runs/**/*.parquet")):
         assert proc.poll() is None and time.monotonic() < deadline, "sweep ended before any run finished"
         time.sleep(0.2)
+    assert any("prefect server start" in c for c in processes_with_home(home))  # the temporary server
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert wait_until_gone(home) == []  # the server died with the sweep: nothing listens, nothing orphaned
     assert 1 <= len(list(results.glob("runs/**/*.parquet"))) < 3
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    assert wait_until_gone(home) == []
     runs = read_table(results, "runs")
     assert sorted(r["method"] for r in runs) == ["full", "mlx-quant", "streaming"]
     steps = read_table(results, "steps")
@@ -111,16 +160,8 @@ def test_two_shard_workers_split_a_sweep_with_results_identical_to_inline(deploy
 
     env = {**deployed, "PREFECT_WORKER_QUERY_SECONDS": "1"}
     logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
-    workers = [
-        subprocess.Popen([*PREFECT, "worker", "start", "--pool", "kvcompress-shards", "--limit", "1",
-                          "--name", f"shard-worker-{i}"], cwd=ROOT, env=env, start_new_session=True,
-                         stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        for i, log in enumerate(logs)
-    ]
-    deadline = time.monotonic() + 120
-    while not all("started" in log.read_text() for log in logs):  # both polling before any shard exists
-        assert time.monotonic() < deadline, [log.read_text() for log in logs]
-        time.sleep(0.5)
+    # both online before any shard exists
+    workers = [start_worker("kvcompress-shards", f"shard-worker-{i}", env, log, limit=1) for i, log in enumerate(logs)]
     grid = {"name": "split", "decode_steps": 2, "datasets": [{"name": "passkey", "context_tokens": [256], "num_samples": 4}],
             "methods": [{"name": "full"}, {"name": "streaming", "grid": {"budget": [64]}}]}
     results = tmp_path / "results"
@@ -128,8 +169,7 @@ def test_two_shard_workers_split_a_sweep_with_results_identical_to_inline(deploy
         sweep(grid=grid, results=str(results), sweep_id="distributed", distribute=True)
     finally:
         for w in workers:
-            os.killpg(w.pid, signal.SIGTERM)
-            w.wait(timeout=30)
+            stop_process_group(w)
     sweep(grid=grid, results=str(results), sweep_id="inline")
 
     runs = read_table(results, "runs")
@@ -167,37 +207,28 @@ def test_sigkilled_shard_worker_then_rerun_leaves_every_run_exactly_once(deploye
     }))
     results = tmp_path / "results"
     sweep_cmd = [sys.executable, "-m", "flows.cli", "sweep", str(grid), "--results", str(results),
-                 "--distribute", "--shard-timeout", "30"]
+                 "--distribute", "--shard-timeout", "150"]  # from submission: covers a slow first shard
 
-    def start_worker(name: str) -> subprocess.Popen:
-        log = tmp_path / f"{name}.log"
-        worker = subprocess.Popen([*PREFECT, "worker", "start", "--pool", "kvcompress-shards", "--limit", "1",
-                                   "--name", name], cwd=ROOT, env=env, start_new_session=True,
-                                  stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while "started" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
-        return worker
+    def shard_worker(name: str) -> subprocess.Popen:
+        return start_worker("kvcompress-shards", name, env, tmp_path / f"{name}.log", limit=1)
 
-    first = start_worker("doomed")
+    first = shard_worker("doomed")
     parent = subprocess.Popen(sweep_cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 600
     while not list(results.glob("runs/**/*.parquet")):
         assert time.monotonic() < deadline and parent.poll() is None, "no run finished"
         time.sleep(0.2)
     os.killpg(first.pid, signal.SIGKILL)  # the worker and the shard flow run it is executing
     first.wait()
-    assert parent.wait(timeout=180) != 0  # its shards never finished: the sweep fails, loses nothing
+    assert parent.wait(timeout=600) != 0  # its shards never finished: the sweep fails, loses nothing
     partial = len(list(results.glob("runs/**/*.parquet")))
     assert 1 <= partial < 6
 
-    second = start_worker("survivor")
+    second = shard_worker("survivor")
     try:
-        done = subprocess.run(sweep_cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(sweep_cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     finally:
-        os.killpg(second.pid, signal.SIGTERM)
-        second.wait(timeout=30)
+        stop_process_group(second)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = read_table(results, "runs")
     assert len(runs) == 6 and len({r["run_id"] for r in runs}) == 6  # every run exactly once

@@ -370,7 +370,7 @@ def test_write_html_names_the_bad_sweep_or_empty_root(fixture_results, tmp_path)
 
     with pytest.raises(ConfigError, match=r"sweep_id: expected one of \['s2', 's1'\], got 'nope'"):
         write_html(fixture_results[0], str(tmp_path / "r.html"), sweep_id="nope")
-    with pytest.raises(ConfigError, match="results: expected a results root with finished runs"):
+    with pytest.raises(ConfigError, match="results: no runs under .*: run `kvcompress sweep` first"):
         write_html(str(tmp_path / "empty"), str(tmp_path / "r.html"))
     assert not (tmp_path / "r.html").exists()
 

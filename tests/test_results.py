@@ -5,12 +5,21 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import re
+import socket
+import subprocess
+import sys
+import time
 from datetime import datetime, timezone
+from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvcompress.results import RUNS_SCHEMA, STEPS_SCHEMA, finished_run_ids, run_id, write_run
+from kvcompress.errors import ConfigError
+from kvcompress.results import (RUNS_SCHEMA, STEPS_SCHEMA, finished_run_ids, quarantine, run_id, scan,
+                                validate_sweep_id, write_run, write_table)
 from tasks.report import connect, run_report
 
 
@@ -94,3 +103,126 @@ def test_two_concurrent_sweeps_lose_nothing(tmp_path):
     assert counts == {"x": 25, "y": 25, "shared": 25}  # same run written twice: still exactly once
     assert con.execute("SELECT count(*) FROM steps WHERE sweep_id = 'x'").fetchall()[0][0] == 75
     assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+HOSTILE_SWEEP_IDS = ["../../../../ESCAPED", "..", "a/b", "lr=0.1", "budget=0.5", "<script>alert(1)</script>", "",
+                     ".hidden", "x" * 129, "a..b", "tab\there"]
+
+
+@pytest.mark.parametrize("name", HOSTILE_SWEEP_IDS)
+def test_hostile_sweep_ids_are_refused_and_nothing_is_written(tmp_path, name):
+    root = tmp_path / "results"
+    with pytest.raises(ConfigError, match=r"sweep_id: expected 1-128 characters of \[A-Za-z0-9._-\]"):
+        validate_sweep_id(name)
+    with pytest.raises(ConfigError, match="sweep_id"):
+        write_run(str(root), name, "full", make_run("r1", "full", 1.0, 1000), make_steps("r1", [0.0], [True]))
+    assert not list(tmp_path.rglob("*"))  # nothing inside the root, nothing beside it
+
+
+def test_valid_sweep_ids_pass():
+    for name in ["default", "nightly-20261130-020000", "a.b_c-1", "x" * 128]:
+        assert validate_sweep_id(name) == name
+
+
+def test_writer_refuses_a_path_outside_the_root(tmp_path):
+    table = pa.Table.from_pylist(make_steps("r1", [0.0], [True]), schema=STEPS_SCHEMA)
+    with pytest.raises(ConfigError, match="outside the results root"):
+        write_table(str(tmp_path / "results"), "../elsewhere", "r1", table)
+    with pytest.raises(ConfigError, match="outside the results root"):
+        write_table(str(tmp_path / "results"), "steps", "../../r1", table)
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
+def _broken_results(tmp_path):
+    """Four runs of sweep `sw`: one whole, a truncated runs file, a truncated steps file, a steps
+    file with fewer rows than its run wrote; plus a stray text file named *.parquet."""
+    root = tmp_path / "results"
+    for rid in ("good", "cut-runs", "cut-steps", "short-steps"):
+        write_run(str(root), "sw", "full", make_run(rid, "full", 1.0, 1000), make_steps(rid, [0.0] * 3, [True] * 3))
+    part = ("sweep_id=sw", "method=full")
+    runs, steps = root.joinpath("runs", *part), root.joinpath("steps", *part)
+    for path in (runs / "cut-runs.parquet", steps / "cut-steps.parquet"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a write killed half-way
+    pq.write_table(pa.Table.from_pylist(make_steps("short-steps", [0.0], [True]), schema=STEPS_SCHEMA),
+                   steps / "short-steps.parquet")
+    (runs / "notes.parquet").write_text("not parquet at all")
+    return root, runs, steps
+
+
+def test_resume_trusts_only_runs_whose_files_read_back_whole(tmp_path):
+    root, _, _ = _broken_results(tmp_path)
+    assert finished_run_ids(str(root), "sw") == {"good"}  # the others are rerun
+
+
+def test_reports_skip_unreadable_files_with_one_warning_each(tmp_path):
+    root, runs, steps = _broken_results(tmp_path)
+    with pytest.warns(UserWarning) as caught:
+        con = connect(str(root))
+    warned = sorted(str(w.message).split(":")[0] for w in caught)
+    assert warned == sorted(f"skipping {p}" for p in (runs / "cut-runs.parquet", runs / "notes.parquet",
+                                                      steps / "cut-steps.parquet"))
+    assert sorted(r[0] for r in con.execute("SELECT run_id FROM runs").fetchall()) == ["cut-steps", "good", "short-steps"]
+    columns, rows = run_report(con, "summary")
+    assert rows  # the reports still run
+
+
+def test_scan_lists_broken_files_and_quarantine_moves_them_aside(tmp_path):
+    root, runs, steps = _broken_results(tmp_path)
+    problems = {p.path: p.reason for p in scan(str(root))}
+    assert problems == {
+        str(runs / "cut-runs.parquet"): "runs file is not readable Parquet with one row",
+        str(runs / "cut-steps.parquet"): "its steps file is missing or not readable Parquet",
+        str(runs / "short-steps.parquet"): "steps file holds 1 rows, the run wrote 3",
+        str(runs / "notes.parquet"): "runs file is not readable Parquet with one row",
+        str(steps / "cut-steps.parquet"): "not readable Parquet",
+    }
+    moved = quarantine(str(root), scan(str(root)))  # each broken run with its steps file
+    assert len(moved) == 7 and all("/_quarantine/" in m for m in moved)
+    assert scan(str(root)) == [] and finished_run_ids(str(root), "sw") == {"good"}
+    assert sorted(p.name for p in (root / "steps").rglob("*.parquet")) == ["good.parquet"]
+    write_run(str(root), "sw", "full", make_run("cut-runs", "full", 1.0, 1000), make_steps("cut-runs", [0.0] * 3, [True] * 3))
+    assert finished_run_ids(str(root), "sw") == {"good", "cut-runs"}
+
+
+def test_stale_temp_files_of_dead_writers_are_listed_and_removed_by_the_next_write(tmp_path):
+    root = tmp_path / "results"
+    write_run(str(root), "sw", "full", make_run("r1", "full", 1.0, 1000), make_steps("r1", [0.0], [True]))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
+    directory = root / "runs" / "sweep_id=sw" / "method=full"
+    stale = directory / f".r2.{host}.{dead.pid}.{'0' * 32}.tmp"
+    live = directory / f".r2.{host}.{os.getpid()}.{'1' * 32}.tmp"  # a writer still at work
+    stale.write_bytes(b"")
+    live.write_bytes(b"")
+    assert [p.path for p in scan(str(root))] == [str(stale)]
+    write_run(str(root), "sw", "full", make_run("r2", "full", 1.0, 1000), make_steps("r2", [0.0], [True]))
+    assert not stale.exists() and live.exists()
+
+
+KILL_WRITER = """
+import sys
+from tests.test_results import make_run, make_steps
+from kvcompress.results import write_run
+for i in range(100000):
+    rid = f"r{i}"
+    write_run(sys.argv[1], "sw", "full", make_run(rid, "full", 1.0, 1000), make_steps(rid, [0.0] * 50, [True] * 50))
+"""
+
+
+def test_kill_9_during_writes_leaves_only_whole_runs(tmp_path):
+    root = tmp_path / "results"
+    writer = subprocess.Popen([sys.executable, "-c", KILL_WRITER, str(root)], cwd=Path(__file__).parent.parent)
+    deadline = time.monotonic() + 300
+    while len(list(root.glob("runs/**/*.parquet"))) < 20:
+        assert writer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    writer.kill()
+    writer.wait()
+    finished = finished_run_ids(str(root), "sw")
+    assert len(finished) >= 20
+    for rid in finished:  # whole: one row, and every step row
+        part = root / "steps" / "sweep_id=sw" / "method=full" / f"{rid}.parquet"
+        assert pq.read_metadata(part).num_rows == 50
+    assert all(p.reason.startswith("stale temporary") for p in scan(str(root)))
+    assert connect(str(root)).execute("SELECT count(*) FROM runs").fetchall()[0][0] >= len(finished)

@@ -27,15 +27,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-
-class ConfigError(ValueError):
-    """A method, dataset or sweep parameter is invalid. The message names the field."""
-
-
-def check(condition: bool, field: str, allowed: str, got: Any) -> None:
-    """Raise a `ConfigError` naming the field, its allowed values and what was given."""
-    if not condition:
-        raise ConfigError(f"{field}: expected {allowed}, got {got!r}")
+from ..errors import ConfigError, check  # noqa: F401  (re-exported: methods raise them)
 
 
 def array_bytes(*arrays: mx.array | None) -> int:

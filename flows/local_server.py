@@ -1,0 +1,122 @@
+"""A local Prefect server whose life is tied to the process that started it.
+
+Prefect's own ephemeral mode (no `PREFECT_API_URL`) starts a temporary API server that outlives
+a `kill -9` of its parent (PLATFORM.md: uvicorn with PPID 1, still listening). Here the server runs
+under a small watchdog (`python -m flows.local_server`) whose stdin is a pipe from the parent: when
+the parent exits, however it exits, the pipe closes and the watchdog stops the server's whole
+process group (SIGTERM, then SIGKILL after a grace period). Used by `kvcompress sweep` when no
+server is configured, and by the tests; `scripts/prefect_local.sh` runs long-lived servers.
+
+    with LocalServer() as api:      # api == "http://127.0.0.1:PORT/api", healthy
+        ...
+
+Processes started elsewhere (workers in tests) are stopped with `stop_process_group`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+STOP_GRACE_S = 20.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def healthy(api_url: str, timeout: float = 2.0) -> bool:
+    try:
+        urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout)
+        return True
+    except OSError:
+        return False
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the process group `proc` leads, SIGKILL it after `grace_s`; never raises.
+
+    Prefect workers on a busy 2-core machine can take over 30 s to exit after SIGTERM (they relay
+    it as SIGINT and wait for their flow runs), so waiting alone is not a way to stop them."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the leader is gone; anything left in its group goes too
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return
+
+
+class LocalServer:
+    """`prefect server start` on 127.0.0.1 (or `host`) under a parent-death watchdog."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, log: Path | None = None,
+                 ui: bool = False, start_timeout_s: float = 180.0):
+        self.host, self.port = host, port or free_port(host)
+        self.api_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}/api"
+        self.log, self.ui, self.start_timeout_s = log, ui, start_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> str:
+        out = open(self.log, "w") if self.log else subprocess.DEVNULL
+        command = [sys.executable, "-m", "flows.local_server", self.host, str(self.port), "ui" if self.ui else "no-ui"]
+        env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                     cwd=Path(__file__).resolve().parent.parent)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not healthy(self.api_url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                detail = self.log.read_text()[-3000:] if self.log else ""
+                raise RuntimeError(f"Prefect server at {self.api_url} did not become healthy\n{detail}")
+            time.sleep(0.5)
+        return self.api_url
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()  # the watchdog stops the server and exits
+            try:
+                self.proc.wait(timeout=STOP_GRACE_S + 15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _watchdog(host: str, port: str, ui: str) -> int:
+    """Run the server in its own process group; stop the group when stdin closes (parent gone)."""
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", port]
+    if ui != "ui":
+        command.append("--no-ui")
+    server = subprocess.Popen(command, start_new_session=True)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop_process_group(server) or sys.exit(0))
+    try:
+        sys.stdin.buffer.read()  # blocks until the parent closes the pipe or dies
+    finally:
+        stop_process_group(server)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_watchdog(*sys.argv[1:4]))

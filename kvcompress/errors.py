@@ -1,0 +1,15 @@
+"""Errors every layer shares, at the bottom of the house (nothing here imports the rest)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A method, dataset, sweep or results parameter is invalid. The message names the field."""
+
+
+def check(condition: bool, field: str, allowed: str, got: Any) -> None:
+    """Raise a `ConfigError` naming the field, its allowed values and what was given."""
+    if not condition:
+        raise ConfigError(f"{field}: expected {allowed}, got {got!r}")

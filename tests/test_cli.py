@@ -1,0 +1,161 @@
+"""The `kvcompress` command line: one-line errors before any work, `check [--repair]`, remote binding."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_results import _broken_results
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kvcompress(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    """The CLI's contract for bad input: exit status 2 and one `error:` line, no traceback."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("results, message", [
+    ("ftp://host/kv", "error: results: unsupported location 'ftp://host/kv' (ftp://)"),
+    ("/etc/hostname/results", "error: results: cannot write to '/etc/hostname/results'"),
+    ("s3://bucket/kv?endpoint_override=127.0.0.1:9&scheme=http", "error: results: cannot write to 's3://bucket/kv"),
+])
+def test_bad_results_root_fails_once_before_any_work(tmp_path, results, message):
+    done = kvcompress("sweep", "smoke", "--results", results, env={"PREFECT_API_URL": "", "PREFECT_HOME": str(tmp_path)})
+    assert one_line_error(done).startswith(message)
+    assert "starting a temporary local Prefect server" not in done.stderr  # failed before any flow or model
+
+
+@pytest.mark.parametrize("sweep_id", ["../../../../ESCAPED", "a/b", "lr=0.1", "<script>"])
+def test_hostile_sweep_id_is_refused_even_in_a_dry_run(tmp_path, sweep_id):
+    done = kvcompress("sweep", "smoke", "--dry-run", "--sweep-id", sweep_id, "--results", str(tmp_path / "r"))
+    assert one_line_error(done).startswith("error: --sweep-id: expected 1-128 characters of [A-Za-z0-9._-]")
+    assert not list(tmp_path.rglob("*")) and not list(tmp_path.parent.rglob("ESCAPED"))
+
+
+def test_hostile_grid_name_is_refused(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("name: ../../x\ndatasets: [{name: passkey, context_tokens: [256]}]\nmethods: [{name: full}]\n")
+    done = kvcompress("sweep", str(grid), "--dry-run")
+    assert "name: expected 1-128 characters" in done.stderr and done.returncode == 2
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("name: ok\ndatasets:\n  - name: passkey\n   context_tokens: [256]\n")
+    line = one_line_error(kvcompress("sweep", str(grid), "--dry-run"))
+    assert line.startswith(f"error: grid: malformed YAML at {grid}:4:4: ") and line.endswith("(nothing was run)")
+
+
+def test_context_beyond_the_model_window_is_an_error_unless_opted_in(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    body = "datasets: [{name: passkey, context_tokens: [8704]}]\nmethods: [{name: full}]\n"
+    grid.write_text("name: long\n" + body)
+    done = kvcompress("sweep", str(grid), "--dry-run")
+    assert done.returncode == 2
+    assert "context_tokens: expected at most 8192 (the context window of smollm2-135m), got 8704" in done.stderr
+    grid.write_text("name: long\nallow_beyond_window: true\n" + body)
+    done = kvcompress("sweep", str(grid), "--dry-run")
+    assert done.returncode == 0, done.stderr
+
+
+def test_report_errors_are_one_line_with_a_hint(tmp_path):
+    assert one_line_error(kvcompress("report", "--results", str(tmp_path / "nothing"))).startswith(
+        f"error: results: no runs under '{tmp_path / 'nothing'}': run `kvcompress sweep` first")
+    root, _, _ = _broken_results(tmp_path)
+    line = one_line_error(kvcompress("report", "--results", str(root), "--sql", "nosuch"))
+    assert line.startswith("error: --sql: expected a .sql file or one of [") and "'summary'" in line
+
+
+def test_report_warns_about_broken_files_and_check_repair_moves_them(tmp_path):
+    root, runs, _ = _broken_results(tmp_path)
+    done = kvcompress("report", "--results", str(root), "--sql", "summary")
+    assert done.returncode == 0, done.stderr
+    assert f"warning: skipping {runs / 'notes.parquet'}: not readable Parquet" in done.stderr
+    done = kvcompress("check", "--results", str(root))
+    assert done.returncode == 1 and f"{runs / 'notes.parquet'}: runs file is not readable Parquet" in done.stdout
+    assert "4 problem(s)" in done.stdout or "5 problem(s)" in done.stdout
+    done = kvcompress("check", "--results", str(root), "--repair")
+    assert done.returncode == 0 and "moved 7 file(s)" in done.stdout
+    done = kvcompress("check", "--results", str(root))
+    assert done.returncode == 0 and "every run reads back whole" in done.stdout
+    done = kvcompress("report", "--results", str(root), "--sql", "summary")
+    assert done.returncode == 0 and "warning" not in done.stderr
+
+
+def _interface_address() -> str | None:
+    """This machine's address on a non-loopback interface (no packet is sent), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.skipif(_interface_address() is None, reason="no non-loopback interface to reach the server through")
+def test_server_binds_loopback_by_default_and_serves_other_machines_when_asked(tmp_path):
+    """The README's multi-machine recipe as far as one box allows: the script's server bound with
+    PREFECT_SERVER_HOST=0.0.0.0, a worker started with http://HOST:PORT/api (HOST an interface
+    address, not loopback) registers with it; without the variable that address is refused."""
+    from flows.local_server import free_port, healthy, stop_process_group
+
+    address, port = _interface_address(), free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "VENV": str(Path(sys.executable).parent.parent)}
+    remote_url = f"http://{address}:{port}/api"
+    script = ["bash", "scripts/prefect_local.sh"]
+    try:
+        subprocess.run([*script, "server"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+        assert healthy(env["PREFECT_API_URL"]) and not healthy(remote_url)  # loopback only
+        subprocess.run([*script, "stop"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 60
+        while healthy(env["PREFECT_API_URL"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        subprocess.run([*script, "server"], cwd=ROOT, env={**env, "PREFECT_SERVER_HOST": "0.0.0.0"}, check=True,
+                       capture_output=True, timeout=300)
+        assert healthy(remote_url)
+        subprocess.run([*script, "pool"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "kvcompress-shards",
+                                   "--limit", "1", "--name", "remote"], cwd=ROOT, start_new_session=True,
+                                  env={**env, "PREFECT_API_URL": remote_url}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.STDOUT)
+        try:
+            from prefect.client.orchestration import PrefectClient, SyncPrefectClient  # noqa: F401
+
+            deadline = time.monotonic() + 180
+            while not _worker_online(remote_url, "kvcompress-shards", "remote"):
+                assert worker.poll() is None and time.monotonic() < deadline
+                time.sleep(1)
+        finally:
+            stop_process_group(worker)
+    finally:
+        subprocess.run([*script, "stop"], cwd=ROOT, env=env, capture_output=True, timeout=60)
+
+
+def _worker_online(api_url: str, pool: str, name: str) -> bool:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(f"{api_url}/work_pools/{pool}/workers/filter", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        workers = json.load(urllib.request.urlopen(request, timeout=5))
+    except OSError:
+        return False
+    return any(w["name"] == name and w.get("status") == "ONLINE" for w in workers)

@@ -17,7 +17,7 @@ from kvcompress.attention import install
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.methods.base import ConfigError
 from kvcompress.methods.eviction import PAD, Eviction, EvictionCache
-from kvcompress.methods.keyformer import gumbel_noise
+from kvcompress.methods.counter_hash import gumbel_noise
 from kvcompress.methods.pyramidkv import layer_shares
 from kvcompress.runner import derive_cache, prefill
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.methods import prompt_scores
-from kvcompress.methods.keyformer import gumbel_noise
+from kvcompress.methods.counter_hash import gumbel_noise
 from kvcompress.methods.prompt_scores import accumulated_attention, accumulated_attention_reference
 
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from .base import check
 from .eviction import Eviction, is_int
-from .keyformer import _mix
+from .counter_hash import mix
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,6 @@ class Random(Eviction):
     def score_new(self, cache, keys, positions):
         u32 = mx.uint32
         rows = mx.arange(positions.shape[0], dtype=u32)[:, None]
-        h = _mix(_mix(_mix(mx.array(self.seed, u32)) ^ mx.array(cache.layer, u32)) ^ rows)
-        h = _mix(h ^ positions.astype(u32))
+        h = mix(mix(mix(mx.array(self.seed, u32)) ^ mx.array(cache.layer, u32)) ^ rows)
+        h = mix(h ^ positions.astype(u32))
         return (h >> 8).astype(mx.float32) * (1.0 / (1 << 24))

@@ -8,42 +8,30 @@ Usage: python benchmarks/workers.py [num_samples]
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    PORT = s.getsockname()[1]
 HOME = Path(tempfile.mkdtemp(prefix="kvc-bench-prefect-"))
-os.environ.update(PREFECT_HOME=str(HOME), PREFECT_API_URL=f"http://127.0.0.1:{PORT}/api",
-                  PREFECT_SERVER_ANALYTICS_ENABLED="false", KVCOMPRESS_HOME=str(ROOT),
+os.environ.update(PREFECT_HOME=str(HOME), PREFECT_SERVER_ANALYTICS_ENABLED="false", KVCOMPRESS_HOME=str(ROOT),
                   HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PREFECT_WORKER_QUERY_SECONDS="1")
 PREFECT = [sys.executable, "-m", "prefect"]
 
 import kvcompress  # noqa: E402,F401
 import pyarrow.dataset as ds  # noqa: E402
 
-from flows.sweep import sweep  # noqa: E402
+from flows.local_server import LocalServer, stop_process_group  # noqa: E402
 
 
 def main(num_samples: int = 6) -> None:
-    server = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(PORT), "--no-ui"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        while True:
-            try:
-                urllib.request.urlopen(os.environ["PREFECT_API_URL"] + "/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
+    with LocalServer() as api:
+        os.environ["PREFECT_API_URL"] = api
+        from flows.sweep import sweep
+
         for pool in ("kvcompress", "kvcompress-shards"):
             subprocess.run([*PREFECT, "work-pool", "create", pool, "--type", "process"], cwd=ROOT, check=True,
                            capture_output=True)
@@ -63,8 +51,7 @@ def main(num_samples: int = 6) -> None:
             sweep(grid=grid, results=results, sweep_id=f"workers-{n}", distribute=True)
             wall[n] = time.perf_counter() - start
             for w in workers:
-                os.killpg(w.pid, signal.SIGTERM)
-                w.wait()
+                stop_process_group(w)
         runs = ds.dataset(f"{results}/runs", partitioning="hive").to_table().to_pylist()
         one = {r["run_id"]: (r["score"], r["prediction"], r["live_kv_bytes"]) for r in runs if r["sweep_id"] == "workers-1"}
         two = {r["run_id"]: (r["score"], r["prediction"], r["live_kv_bytes"]) for r in runs if r["sweep_id"] == "workers-2"}
@@ -73,8 +60,6 @@ def main(num_samples: int = 6) -> None:
         for n, seconds in wall.items():
             print(f"{n:>7}  {seconds:6.1f}  {wall[1] / seconds:6.2f}x")
         print(f"identical results: {one == two} ({len(one)} runs each)")
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ class LocalServer:
     def start(self) -> str:
         out = open(self.log, "w") if self.log else subprocess.DEVNULL
         command = [sys.executable, "-m", "flows.local_server", self.host, str(self.port), "ui" if self.ui else "no-ui"]
-        env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        # the dashboard's JavaScript calls the API at PREFECT_UI_API_URL (default: port 4200)
+        env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": self.api_url}
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
                                      cwd=Path(__file__).resolve().parent.parent)
         deadline = time.monotonic() + self.start_timeout_s

@@ -22,10 +22,12 @@ healthy() { python -c "import urllib.request,os,sys; urllib.request.urlopen(os.e
 
 server() {
   if healthy; then echo "prefect server: already up at $PREFECT_API_URL"; return; fi
-  nohup prefect server start --host "${PREFECT_SERVER_HOST:-127.0.0.1}" --port "$port" --no-ui >"$PREFECT_HOME/server.log" 2>&1 &
+  # the dashboard's JavaScript calls the API at PREFECT_UI_API_URL
+  PREFECT_UI_API_URL=${PREFECT_UI_API_URL:-$PREFECT_API_URL} \
+    nohup prefect server start --host "${PREFECT_SERVER_HOST:-127.0.0.1}" --port "$port" >"$PREFECT_HOME/server.log" 2>&1 &
   echo $! >"$PREFECT_HOME/server.pid"
   for _ in $(seq 180); do
-    healthy && { echo "prefect server: up at $PREFECT_API_URL (bound to ${PREFECT_SERVER_HOST:-127.0.0.1})"; return; }
+    healthy && { echo "prefect server: up at $PREFECT_API_URL (bound to ${PREFECT_SERVER_HOST:-127.0.0.1}); dashboard: ${PREFECT_API_URL%/api}"; return; }
     kill -0 "$(cat "$PREFECT_HOME/server.pid")" 2>/dev/null || break
     sleep 1
   done
@@ -82,7 +84,11 @@ demo() {
   run default
   echo "sweep/default finished in $((SECONDS - start)) s"
   kvcompress report
-  [ "${KEEP_SERVER:-0}" = 1 ] || stop
+  if [ "${KEEP_SERVER:-0}" = 1 ]; then
+    echo "dashboard: ${PREFECT_API_URL%/api} (flow runs, logs, the sweep's report artifacts); \`make stop\` ends it"
+  else
+    stop
+  fi
 }
 
 cmd=${1:-demo}; shift || true

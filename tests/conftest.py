@@ -34,10 +34,10 @@ def embedded():
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    """A real Prefect server (SQLite in a temp PREFECT_HOME, 127.0.0.1), started once per session,
-    under the watchdog that stops it with this process however the session ends."""
+    """A real Prefect server with its dashboard (SQLite in a temp PREFECT_HOME, 127.0.0.1), started
+    once per session, under the watchdog that stops it with this process however the session ends."""
     from flows.local_server import LocalServer
 
-    server = LocalServer(port=PREFECT_PORT, log=_prefect_home / "server.log")
+    server = LocalServer(port=PREFECT_PORT, log=_prefect_home / "server.log", ui=True)
     yield server.start()
     server.stop()

@@ -136,8 +136,6 @@ def test_server_binds_loopback_by_default_and_serves_other_machines_when_asked(t
                                   env={**env, "PREFECT_API_URL": remote_url}, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.STDOUT)
         try:
-            from prefect.client.orchestration import PrefectClient, SyncPrefectClient  # noqa: F401
-
             deadline = time.monotonic() + 180
             while not _worker_online(remote_url, "kvcompress-shards", "remote"):
                 assert worker.poll() is None and time.monotonic() < deadline

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,11 +65,18 @@ def deployed(prefect_server, tmp_path_factory):
     stop_process_group(worker)
 
 
-def test_deployment_run_completes_and_writes_queryable_results(deployed, tmp_path):
-    results = tmp_path / "results"
+@pytest.fixture(scope="module")
+def smoke_run(deployed, tmp_path_factory) -> tuple[Path, str]:
+    """`prefect deployment run sweep/default` on the smoke grid: (results root, flow run id)."""
+    results = tmp_path_factory.mktemp("smoke") / "results"
     out = prefect("deployment", "run", "sweep/default", "--param", "grid=smoke", "--param", f"results={results}",
                   "--watch", env=deployed)
     assert "Completed" in out
+    return results, re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+
+
+def test_deployment_run_completes_and_writes_queryable_results(smoke_run):
+    results, _ = smoke_run
     runs = read_table(results, "runs")
     assert sorted(r["method"] for r in runs) == ["full", "mlx-quant", "streaming"]
     assert all(r["status"] == "ok" and r["sweep_id"] == "smoke" for r in runs)
@@ -88,6 +96,29 @@ def test_deployment_run_completes_and_writes_queryable_results(deployed, tmp_pat
         assert row["live_kv_bytes"] == run["live_kv_bytes"]
         assert row["kv_ratio_to_full"] == pytest.approx(run["live_kv_bytes"] / run["full_kv_bytes"], abs=1e-4)
     assert summary["mlx-quant"]["kv_ratio_to_full"] < 0.2 < summary["streaming"]["kv_ratio_to_full"] < 0.6
+
+
+def test_dashboard_shows_the_sweep_summary_artifact_in_headless_chromium(smoke_run):
+    """The Prefect UI is on: the summary table artifact of the finished flow run renders there."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    chromium = "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.skip("/usr/bin/chromium is not installed (apt-get install -y chromium)")
+    _, flow_run_id = smoke_run
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(flow_run_id)
+        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["sweep-smoke-summary"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    dashboard = os.environ["PREFECT_API_URL"].removesuffix("/api")
+    page = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                           "--virtual-time-budget=30000", "--dump-dom", f"{dashboard}/artifacts/artifact/{artifact.id}"],
+                          capture_output=True, text=True, timeout=300).stdout
+    text = " ".join(re.sub(r"<[^>]+>", " ", page).split())
+    assert f"Flow Run {flow_run.name}" in text  # the artifact page links the sweep's flow run
+    for label in ("full", "mlx-quant bits=4", "streaming budget=0.5"):  # the summary table, rendered
+        assert f" {label} " in text, text[:3000]
 
 
 @pytest.mark.parametrize("param", ["grid=no-such-grid", "sweep_id=../../../../ESCAPED"])
@@ -234,3 +265,24 @@ def test_sigkilled_shard_worker_then_rerun_leaves_every_run_exactly_once(deploye
     assert len(runs) == 6 and len({r["run_id"] for r in runs}) == 6  # every run exactly once
     steps = read_table(results, "steps")
     assert sorted((s["run_id"], s["step"]) for s in steps) == sorted((r["run_id"], i) for r in runs for i in range(2))
+
+
+def test_shard_task_fails_at_once_on_a_config_error(prefect_server, tmp_path):
+    """A bad setting fails the same way on every try: the shard task (retries=2) runs once."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from tasks.sweep import run_shard
+
+    shard = {"dataset": "passkey", "dataset_params": json.dumps({"context_tokens": 256}), "sample_index": 0,
+             "methods": []}
+
+    @flow
+    def one_shard() -> tuple[bool, str, str]:
+        state = run_shard(shard, "./no/such/model", 2, "s", str(tmp_path), None, return_state=True)
+        return state.is_failed(), str(state.message), str(state.state_details.task_run_id)
+
+    failed, message, task_run_id = one_shard()
+    assert failed and "name_or_path: expected 'smollm2-135m'" in message
+    with get_client(sync_client=True) as client:
+        assert client.read_task_run(task_run_id).run_count == 1

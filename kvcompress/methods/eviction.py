@@ -229,7 +229,7 @@ class EvictionCache(CompressedCache):
         if S > 1 or self.padded:
             logits = self._causal(logits, query_positions)
         probs = mx.softmax(logits, axis=-1, precise=True)
-        out = (probs.reshape(R, -1, n) @ self.values.astype(mx.float32)).reshape(B, n_q, S, D)
+        out = (probs.astype(self.values.dtype).reshape(R, -1, n) @ self.values).reshape(B, n_q, S, D)
         decode = "grow" if self.config.decode == "grow" else self.scorer.decode
         if decode == "accumulate":
             self.scores = self.scores + self._step_increments(q, logits, probs, query_positions, scale)

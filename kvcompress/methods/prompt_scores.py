@@ -19,11 +19,11 @@ from typing import Callable
 
 import mlx.core as mx
 
-# A tile holds about this many float32 logits (32 MiB; a few tile-sized temporaries live at once):
-# large enough that Python's per-op cost stays small against the math, small next to a long
+# A tile holds about this many float32 logits (64 MiB; about three tile-sized temporaries live at
+# once): large enough that Python's per-op cost stays small against the math, small next to a long
 # prompt's KV cache.
-TILE_ELEMENTS = 1 << 23
-KEY_TILE = 1024
+TILE_ELEMENTS = 1 << 24
+KEY_TILE = 2048
 
 # f(logits [R, G, Lq, Tk], query_positions [Lq], key_positions [Tk]) -> transformed logits
 Transform = Callable[[mx.array, mx.array, mx.array], mx.array]
@@ -35,9 +35,10 @@ def folded_logits(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
     The group is folded into the row axis: broadcasting batch dims is wrong on MLX CUDA.
     """
     R, G, L, D = queries.shape
-    q = queries.astype(mx.float32).reshape(R, G * L, D) * scale
-    # keys @ q^T transposes only the small query block, never the [n, D] keys
-    logits = keys.astype(mx.float32) @ q.swapaxes(1, 2)  # [R, n, G * L]
+    q = queries.reshape(R, G * L, D) * scale
+    # keys @ q^T transposes only the small query block, never the [n, D] keys; the product runs in
+    # the model's dtype (tensor cores on a GPU; float32 on CPU), the softmax in float32
+    logits = (keys @ q.astype(keys.dtype).swapaxes(1, 2)).astype(mx.float32)  # [R, n, G * L]
     return logits.swapaxes(1, 2).reshape(R, G, L, keys.shape[1])
 
 

@@ -439,6 +439,6 @@ def test_every_cache_round_trips_through_mlx_lm_save_and_load(tiny_llama, name, 
 
 def test_drop_in_cache_knows_the_generation_length_for_keyformers_schedule(tiny_llama):
     caches = kvcompress.make_cache(tiny_llama, "keyformer", max_tokens=10, budget=8)
-    assert caches[0].config.anneal_steps == 10 and caches[0].config.label() == "keyformer budget=8 tau=1.0..2.0"
+    assert caches[0].config.anneal_steps == 10
     assert kvcompress.make_cache(tiny_llama, "keyformer", max_tokens=10, anneal_steps=3)[0].config.anneal_steps == 3
     assert kvcompress.make_cache(tiny_llama, "h2o", max_tokens=10)[0].config == method_config("h2o")

@@ -66,7 +66,7 @@ class LocalServer:
     """`prefect server start` on 127.0.0.1 (or `host`) under a parent-death watchdog."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, log: Path | None = None,
-                 ui: bool = False, start_timeout_s: float = 180.0):
+                 ui: bool = False, start_timeout_s: float = 300.0):
         self.host, self.port = host, port or free_port(host)
         self.api_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}/api"
         self.log, self.ui, self.start_timeout_s = log, ui, start_timeout_s

@@ -44,7 +44,7 @@ def start_worker(pool: str, name: str, env: dict, log: Path, limit: int | None =
         command += ["--limit", str(limit)]
     worker = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True,
                               stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while name not in online_workers(pool):
         if worker.poll() is not None or time.monotonic() > deadline:
             stop_process_group(worker)

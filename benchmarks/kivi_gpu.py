@@ -1,14 +1,18 @@
 """KIVI on a CUDA GPU (the lent H200): kernel exactness, quantize-and-pack bandwidth, decode attention.
 
-Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/kivi_gpu.py`. Needs only mlx
-and mlx-lm. Prints three tables:
+Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/kivi_gpu.py [sections]`
+(sections: exact attn bandwidth decode; default: all). Needs only mlx and mlx-lm. Prints:
 1. the fused CUDA quantize-and-pack kernel vs the plain MLX reference (run on the CPU stream, and on
    the GPU stream), bit for bit, over dtypes x bits x group sizes x layouts x shapes x input kinds;
    every output is poisoned twice (two init values) so an unwritten element cannot pass;
 2. quantize-and-pack bandwidth on [32, 4096, 128] fp16 ((bytes read + written) / median time)
    against a measured copy ceiling, the MLX reference path and mx.quantize;
-3. decode attention at 32k context, 8 KV heads, 32 query heads, D = 128, fp16, 32 layers per timed
-   step: KIVI-2 / KIVI-4 / K4V2 packed attention vs the full cache (mx.fast.scaled_dot_product_attention).
+3a. the fused decode attention kernel (kvcompress/kernels/kivi_attention.py) and the quantized_matmul
+   reference against dequantize-then-attend in float32 on the CPU (relative L2 error);
+3b. decode attention at 32k context, 8 KV heads, 32 query heads, D = 128, fp16, 32 layers per timed
+   step: KIVI-2 / KIVI-4 / K4V2 on codes -- the fused kernel (several tiles-per-block settings) and the
+   quantized_matmul reference -- vs the full cache (mx.fast.scaled_dot_product_attention);
+4. one decode step of the caches alone (update_and_fetch, then attention) at 32k, 32 layers.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvcompress  # noqa: E402,F401  (BLAS preload; harmless on GPU)
 import mlx.core as mx  # noqa: E402
 from kvcompress.attention import reference_attention  # noqa: E402
+from kvcompress.kernels.kivi_attention import (  # noqa: E402
+    decode_attention,
+    decode_attention_fused,
+    decode_attention_reference,
+)
 from kvcompress.kernels.kivi_quant import quantize_pack_kernel, quantize_pack_reference  # noqa: E402
 from kvcompress.methods.kivi import KiviCache  # noqa: E402
 
@@ -35,6 +44,22 @@ def median_ms(fn, repeat=50, warmup=5) -> float:
     for _ in range(repeat):
         t = time.perf_counter()
         mx.eval(fn())
+        mx.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def median_eval_ms(fn, repeat=30, warmup=5) -> float:
+    """Median time to evaluate fn()'s graph, built beforehand: the GPU work and MLX's per-op
+    encoding, without the Python that builds the graph."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    times = []
+    for _ in range(repeat):
+        outs = fn()
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(outs)
         mx.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
@@ -120,24 +145,26 @@ def bandwidth_table(shape=(32, 4096, 128), big_shape=(1024, 1024, 256)):
 
 
 def check_attention():
-    print("\n## 3a. packed attention vs dequantize-then-attend on CUDA (fp16, GQA 4, rel. L2 error)")
+    print("\n## 3a. attention on codes vs dequantize-then-attend (float32 on the CPU), fp16, 8 KV heads, D 128, rel. L2 error")
     key = mx.random.key(7)
+    print(f"{'codes':6} {'L':>2} {'rows':>4} {'fused':>9} {'reference':>9}")
     for kb, vb in ((2, 2), (4, 2), (4, 4), (8, 8)):
-        cache = KiviCache(kb, vb, 32, 128)
         k1, k2, k3 = mx.random.split(key, 3)
         keys = mx.random.normal((1, 8, 1000, 128), key=k1).astype(mx.float16)
         values = mx.random.normal((1, 8, 1000, 128), key=k2).astype(mx.float16)
-        cache.from_prefill(keys[:, :, :992], values[:, :, :992], None)
-        view = cache.update_and_fetch(keys[:, :, 992:], values[:, :, 992:])
-        (kp, kr), (vp, vr) = view
-        kd = mx.concatenate([mx.dequantize(*kp, group_size=32, bits=kb).swapaxes(-1, -2), kr], axis=2)
-        vd = mx.concatenate([mx.dequantize(*vp, group_size=32, bits=vb), vr], axis=2)
-        for L, mask in ((1, None), (8, "causal")):
+        for L, mask in ((1, None), (2, "causal")):  # one decode step; two positions (speculative decoding)
+            cache = KiviCache(kb, vb, 32, 128)
+            cache.from_prefill(keys[:, :, : 1000 - L], values[:, :, : 1000 - L], None)
+            view = cache.update_and_fetch(keys[:, :, 1000 - L :], values[:, :, 1000 - L :])
             q = mx.random.normal((1, 32, L, 128), key=k3).astype(mx.float16)
-            out = cache.attention(q, *view, scale=128**-0.5, mask=mask).astype(mx.float32)
-            ref = reference_attention(q.astype(mx.float32), kd.astype(mx.float32), vd.astype(mx.float32), 128**-0.5, mask)
-            err = (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
-            print(f"K{kb}V{vb} L={L}: rel error {err:.2e}")
+            fused = decode_attention_fused(q, *view, 128**-0.5, L > 1, kb, vb, 32, "cuda")
+            refp = decode_attention_reference(q, *view, 128**-0.5, mask, kb, vb, 32)
+            with mx.stream(mx.cpu):
+                kd, vd = cache._dequantize_sides(*view)
+                ref = reference_attention(q.astype(mx.float32), kd.astype(mx.float32), vd.astype(mx.float32), 128**-0.5, mask)
+                mx.eval(ref)
+            errs = [(mx.linalg.norm(o.astype(mx.float32) - ref) / mx.linalg.norm(ref)).item() for o in (fused, refp)]
+            print(f"K{kb}V{vb}   {L:>2} {32 * L // 8:>4} {errs[0]:9.2e} {errs[1]:9.2e}")
 
 
 def decode_table(T=32768, layers=32):
@@ -151,9 +178,15 @@ def decode_table(T=32768, layers=32):
         full.append((k, v))
     mx.eval(full, qs)
     full_bytes = sum(k.nbytes + v.nbytes for k, v in full)
-    full_ms = median_ms(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale) for q, (k, v) in zip(qs, full)], repeat=30)
-    print(f"{'cache':10} {'ms/step':>8} {'us/layer':>9} {'KV MiB':>8} {'x smaller':>9} {'speedup':>8}")
-    print(f"{'full':10} {full_ms:8.3f} {1e3 * full_ms / layers:9.1f} {full_bytes / 2**20:8.0f} {1.0:9.2f} {1.0:8.2f}")
+    def sdpa():
+        return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale) for q, (k, v) in zip(qs, full)]
+
+    full_ms, full_eval = median_ms(sdpa, repeat=30), median_eval_ms(sdpa)
+    print("ms/step: graph built and evaluated; eval ms: evaluation of a graph built beforehand (GPU + MLX encoding);")
+    print("GB/s and speedup from eval ms")
+    print(f"{'cache':8} {'path':22} {'ms/step':>8} {'eval ms':>8} {'us/layer':>9} {'KV MiB':>8} {'x smaller':>9} {'GB/s':>7} {'speedup':>8}")
+    print(f"{'full':8} {'mx.fast SDPA':22} {full_ms:8.3f} {full_eval:8.3f} {1e3 * full_eval / layers:9.1f} {full_bytes / 2**20:8.0f} "
+          f"{1.0:9.2f} {full_bytes / full_eval / 1e6:7.0f} {1.0:8.2f}")
     for kb, vb in ((2, 2), (4, 4), (4, 2)):
         caches, views = [], []
         for k, v in full:
@@ -161,30 +194,83 @@ def decode_table(T=32768, layers=32):
             c.from_prefill(k[:, :, : T - 1], v[:, :, : T - 1], None)
             views.append(c.update_and_fetch(k[:, :, T - 1 :], v[:, :, T - 1 :]))
             caches.append(c)
-            mx.eval([c.state[:8] for c in caches[-1:]], views[-1])
+            mx.eval(c.state[:8], views[-1])
         live = sum(c.live_kv_bytes for c in caches)
-        ms = median_ms(lambda: [c.attention(q, *vw, scale=scale, mask=None) for c, q, vw in zip(caches, qs, views)], repeat=30)
         name = f"KIVI-{kb}" if kb == vb else f"K{kb}V{vb}"
-        print(f"{name:10} {ms:8.3f} {1e3 * ms / layers:9.1f} {live / 2**20:8.0f} {full_bytes / live:9.2f} {full_ms / ms:8.2f}")
-        if kb == vb == 2:  # where the time goes: the two quantized matmuls and the softmax, alone
-            qf = [q.reshape(1, 8, 4, 128) for q in qs]
-            p = [mx.softmax(mx.random.normal((1, 8, 4, T), key=mx.random.key(5)).astype(mx.float16), axis=-1)] * layers
-            parts = {
-                "scores qmm": lambda: [mx.quantized_matmul(x, *vw[0][0], transpose=False, group_size=32, bits=2) for x, vw in zip(qf, views)],
-                "softmax": lambda: [mx.softmax(x, axis=-1, precise=True) for x in p],
-                "output qmm": lambda: [mx.quantized_matmul(x[..., : vw[1][0][0].shape[-2]], *vw[1][0], transpose=False, group_size=32, bits=2)
-                               for x, vw in zip(p, views)],
-            }
-            for part, fn in parts.items():
-                print(f"  {part:12} {median_ms(fn, repeat=20):8.3f} ms/step")
+        paths = {
+            "reference (qmm)": lambda q, vw: decode_attention_reference(q, *vw, scale, None, kb, vb, 32),
+            "fused (dispatch)": lambda q, vw: decode_attention(q, *vw, scale, None, kb, vb, 32),
+        }
+        for tpb in (1, 2, 4):
+            paths[f"fused tiles/block={tpb}"] = (
+                lambda q, vw, tpb=tpb: decode_attention_fused(q, *vw, scale, False, kb, vb, 32, "cuda", tiles_per_block=tpb))
+        for path, fn in paths.items():
+            step = lambda: [fn(q, vw) for q, vw in zip(qs, views)]  # noqa: E731
+            ms, ev = median_ms(step, repeat=30), median_eval_ms(step)
+            print(f"{name:8} {path:22} {ms:8.3f} {ev:8.3f} {1e3 * ev / layers:9.1f} {live / 2**20:8.0f} {full_bytes / live:9.2f} "
+                  f"{live / ev / 1e6:7.0f} {full_eval / ev:8.2f}")
         del caches, views
+
+
+def step_table(T=32768, layers=32, steps=40):
+    print(f"\n## 4. one decode step of the caches alone (no model), {T} context, 8 KV heads, 32 query heads, D 128, fp16, {layers} layers")
+    from mlx_lm.models.cache import KVCache
+
+    scale = 128**-0.5
+    new_k = [mx.random.normal((1, 8, 1, 128), key=mx.random.key(3000 + i)).astype(mx.float16) for i in range(steps)]
+    q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(77)).astype(mx.float16)
+    mx.eval(new_k, q)
+    print(f"{'cache':22} {'update ms':>9} {'update+attn ms':>14} {'host graph ms':>13}")
+    for label in ("full", "kivi-2 paper", "kivi-2 grouped", "kivi-4 paper"):
+        caches = []
+        for i in range(layers):
+            k = mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i)).astype(mx.float16)
+            v = mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i + 1)).astype(mx.float16)
+            if label == "full":
+                c = KVCache()
+                c.update_and_fetch(k, v)
+            else:
+                bits = 4 if "kivi-4" in label else 2
+                c = KiviCache(bits, bits, 32, 128, "grouped" if "grouped" in label else "paper")
+                c.from_prefill(k, v, None)
+            mx.eval(c.state)
+            caches.append(c)
+            del k, v
+
+        def run(attend):
+            times, build = [], []
+            for s in range(steps):
+                t0 = time.perf_counter()
+                outs = []
+                for c in caches:
+                    kk, vv = c.update_and_fetch(new_k[s], new_k[s])
+                    if attend:
+                        if label == "full":
+                            outs.append(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale))
+                        else:
+                            outs.append(c.attention(q, kk, vv, scale=scale, mask=None))
+                    else:
+                        outs.append(c.keys)
+                t1 = time.perf_counter()
+                mx.eval(outs)
+                mx.synchronize()
+                times.append(1e3 * (time.perf_counter() - t0))
+                build.append(1e3 * (t1 - t0))
+            return statistics.median(times[5:]), statistics.median(build[5:])
+
+        upd, _ = run(False)
+        both, build = run(True)
+        print(f"{label:22} {upd:9.3f} {both:14.3f} {build:13.3f}")
+        del caches
 
 
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
     print("mlx", mx.__version__, mx.default_device(), "cuda" if mx.cuda.is_available() else "no cuda")
-    parts = sys.argv[1:] or ["exact", "attn", "bandwidth", "decode"]
-    for part, fn in (("exact", exactness_table), ("attn", check_attention), ("bandwidth", bandwidth_table), ("decode", decode_table)):
+    parts = sys.argv[1:] or ["exact", "attn", "bandwidth", "decode", "step"]
+    sections = (("exact", exactness_table), ("attn", check_attention), ("bandwidth", bandwidth_table),
+                ("decode", decode_table), ("step", step_table))
+    for part, fn in sections:
         if part in parts:
             t = time.time()
             try:

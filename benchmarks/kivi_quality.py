@@ -4,7 +4,9 @@
 KIVI-8 and mlx-lm QuantizedKVCache 4/8 (G = 64):
 - language modelling (essay continuation after a 1024-token prompt, 128 teacher-forced decode
   steps): mean per-step KL(full || method), top-1 agreement, measured live KV bytes;
-- passkey and NIAH (single needle) retrieval scores at 1k and 2k tokens (mean over samples).
+- passkey and NIAH (single needle) retrieval scores at 1k and 2k tokens (mean over samples);
+- `policies`: the paper's residual policy (Algorithm 1, the default) against the earlier grouped
+  one, KIVI-2 and KIVI-4, per-sample mean KL with a paired 95% t-interval of the difference.
 Every method is derived from the same full-cache prefill per sample (KIVI compresses after prefill).
 """
 
@@ -34,13 +36,14 @@ METHODS = {
 }
 
 
-def run(model, tokenizer, dataset: str, params: dict, decode_steps: int):
+def run(model, tokenizer, dataset: str, params: dict, decode_steps: int, methods: dict | None = None):
+    methods = methods or METHODS
     data = kvcompress.load_dataset(dataset, tokenizer=tokenizer, **params)
     context = RunContext("smollm2-135m", model_fingerprint("smollm2-135m"), dataset, json.dumps(params, sort_keys=True), decode_steps)
-    by_method = {name: [] for name in METHODS}
+    by_method = {name: [] for name in methods}
     for sample in data:
-        records = run_sample(model, tokenizer, sample, list(METHODS.values()), context)
-        for name, record in zip(METHODS, records):
+        records = run_sample(model, tokenizer, sample, list(methods.values()), context)
+        for name, record in zip(methods, records):
             assert record.run["status"] == "ok", record.run["error"]
             by_method[name].append(record)
     return by_method
@@ -81,6 +84,40 @@ def retrieval_table(model, tokenizer, samples: int):
         print(f"{name:12} " + " ".join(f"{scores[c][name]:13.2f}" for c in cols))
 
 
+# two-sided 95% Student t quantiles by degrees of freedom
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 19: 2.093, 24: 2.064, 29: 2.045}
+
+
+def t95(n: int) -> float:
+    return T95.get(n - 1) or T95[max(k for k in T95 if k <= n - 1)]
+
+
+def policies_table(model, tokenizer, samples: int):
+    """The paper's residual policy vs the grouped one, per-sample mean KL, paired over samples."""
+    t = time.time()
+    methods = {"full": method_config("full")}
+    for bits in (2, 4):
+        for policy in ("paper", "grouped"):
+            methods[f"KIVI-{bits} {policy}"] = method_config("kivi", bits=bits, residual_policy=policy)
+    lm = run(model, tokenizer, "lm", {"context_tokens": 1024, "continuation_tokens": 129, "num_samples": samples}, 128, methods)
+    per_sample = {n: [statistics.mean(s["kl"] for s in r.steps) for r in rs] for n, rs in lm.items()}
+    print(f"\n## KIVI residual policy, language modelling, 1024-token prompt, 128 teacher-forced steps, n = {samples} samples")
+    print(f"{'method':18} {'mean KL':>10} {'95% CI':>23} {'live KV KiB':>11}")
+    for name in list(methods)[1:]:
+        kls = per_sample[name]
+        half = t95(samples) * statistics.stdev(kls) / samples**0.5
+        live = statistics.mean(r.run["live_kv_bytes"] for r in lm[name])
+        print(f"{name:18} {statistics.mean(kls):10.3e} [{statistics.mean(kls) - half:10.3e}, {statistics.mean(kls) + half:10.3e}] "
+              f"{live / 1024:11.0f}")
+    for bits in (2, 4):
+        diff = [a - b for a, b in zip(per_sample[f"KIVI-{bits} paper"], per_sample[f"KIVI-{bits} grouped"])]
+        half = t95(samples) * statistics.stdev(diff) / samples**0.5
+        mean = statistics.mean(diff)
+        print(f"KIVI-{bits}: paper - grouped mean KL {mean:+.3e}, paired 95% CI [{mean - half:+.3e}, {mean + half:+.3e}]")
+    print(f"[{time.time() - t:.0f} s]")
+
+
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
     samples = int(sys.argv[1]) if len(sys.argv) > 1 else 2
@@ -90,3 +127,5 @@ if __name__ == "__main__":
         lm_table(model, tokenizer, samples)
     if "retrieval" in parts:
         retrieval_table(model, tokenizer, samples)
+    if "policies" in parts:
+        policies_table(model, tokenizer, samples)

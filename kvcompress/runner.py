@@ -33,6 +33,7 @@ from .memory import budget_tokens, live_kv_bytes, tokens_kept
 from .methods.base import Method
 from .metrics import step_metrics
 from .results import run_id
+from .kernels import dispatch
 
 PREFILL_CHUNK = 2048  # as mlx-lm's generate: bounds the attention matrix of a long prompt
 
@@ -227,6 +228,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
     }
     step_rows: list[dict[str, Any]] = []
     deadline = time.monotonic() + context.run_timeout_s if context.run_timeout_s else None
+    dispatch.reset_paths()
     try:
         mx.reset_peak_memory()
         start = time.perf_counter()
@@ -270,4 +272,8 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
     except Exception as exc:  # recorded, and the shard goes on with the next method
         row["status"] = "error"
         row["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+    # which path each kernel took (fused / reference), outside the hashed part: the same run on a
+    # GPU and on a CPU keeps one run id
+    config["kernels"] = dispatch.paths_used()
+    row["config"] = json.dumps(config, sort_keys=True)
     return RunRecord(row, step_rows, method.name)

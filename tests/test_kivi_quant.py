@@ -93,7 +93,10 @@ def test_per_channel_layout_feeds_quantized_matmul():
         assert all(mx.array_equal(a, b).item() for a, b in zip(kt, per_token))
         scores = mx.quantized_matmul(q, *kt, transpose=False, group_size=32, bits=bits)
         ref = q @ mx.dequantize(*kt, group_size=32, bits=bits)
-        assert mx.allclose(scores, ref, atol=1e-4, rtol=1e-4).item()
+        if gpu_backend() is None:
+            assert mx.allclose(scores, ref, atol=1e-4, rtol=1e-4).item()
+        else:  # the GPU's float32 matmuls round like TF32 (H200: element errors ~3e-3 on scores ~10)
+            assert (mx.linalg.norm(scores - ref) / mx.linalg.norm(ref)).item() < 2e-3
 
 
 def test_bad_arguments_raise():
@@ -115,14 +118,26 @@ def test_dispatch_on_cpu_is_the_reference():
         assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
 
 
-@pytest.mark.skipif(gpu_backend() is None, reason="needs a CUDA or Metal GPU (run on the H200: benchmarks/kivi_gpu.py)")
+# each (dtype, bits, G, layout) compiles a kernel (~1 s of NVRTC): fp16 covers them all, the other
+# dtypes a few
+GPU_CASES = {
+    mx.float16: list(itertools.product([2, 3, 4, 8], [32, 64, 128], [False, True])),
+    mx.bfloat16: list(itertools.product([2, 4], [32, 128], [False, True])),
+    mx.float32: list(itertools.product([2, 3, 8], [32], [False, True])) + [(4, 128, True)],
+}
+
+
+@pytest.mark.skipif(gpu_backend() is None, reason="needs a CUDA or Metal GPU (run on the H200: benchmarks/kivi_gpu_check.sh)")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_gpu_kernel_bit_exact(dtype):
-    for i, (bits, G, per_channel) in enumerate(itertools.product([2, 3, 4, 8], [32, 64, 128], [False, True])):
-        shape = (2, 3, 2 * G, 96) if per_channel else (2, 3, 33, 256)
-        x = mx.random.normal(shape, key=mx.random.key(i)).astype(dtype)
-        got = quantize_pack_kernel(x, bits, G, per_channel, gpu_backend(), init_value=3.0)
-        with mx.stream(mx.cpu):
-            want = quantize_pack_reference(x, bits, G, per_channel)
-            mx.eval(want)
-        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want)), (bits, G, per_channel)
+    for i, (bits, G, per_channel) in enumerate(GPU_CASES[dtype]):
+        # per channel: whole and partial tiles of 32 channels x 4-8 groups; per token: odd row counts
+        shapes = [(2, 3, 2 * G, 96), (1, 2, 9 * G, 40)] if per_channel else [(2, 3, 33, 256), (1, 1, 5, 3 * G)]
+        for j, shape in enumerate(shapes):
+            x = mx.random.normal(shape, key=mx.random.key(10 * i + j)) * 3
+            x = mx.where(mx.arange(shape[-1]) % 7 == 0, mx.round(x * 2) / 2, x).astype(dtype)  # exact ties too
+            got = quantize_pack_kernel(x, bits, G, per_channel, gpu_backend(), init_value=3.0)
+            with mx.stream(mx.cpu):
+                want = quantize_pack_reference(x, bits, G, per_channel)
+                mx.eval(want)
+            assert all(mx.array_equal(a, b).item() for a, b in zip(got, want)), (bits, G, per_channel, shape)

@@ -14,14 +14,19 @@ for bit):
 - codes = round-half-to-even((x - zero) / scale), clipped to [0, 2^b - 1]; a constant group
   (scale 0) gets code 0 and dequantizes exactly to its value.
 
-`quantize_pack` dispatches by backend: a CUDA kernel (`mx.fast.cuda_kernel`, tested on an H200),
-a Metal kernel (`mx.fast.metal_kernel`, same algorithm, UNTESTED here: no Apple GPU available),
-and on CPU the plain MLX reference.
+`quantize_pack` goes through kvcompress/kernels/dispatch.py: a CUDA kernel (`mx.fast.cuda_kernel`,
+tested on an H200) or a Metal kernel (`mx.fast.metal_kernel`, same body, UNTESTED here: no Apple
+GPU available), each used only after a bit-exact self-test on first use; on CPU the MLX reference.
 """
 
 from __future__ import annotations
 
+import zlib
+
 import mlx.core as mx
+
+from . import dispatch
+from .dispatch import gpu_backend  # noqa: F401  (re-exported: tests and benchmarks import it from here)
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -75,58 +80,115 @@ def quantize_pack_reference(x: mx.array, bits: int, group_size: int, per_channel
     return packed, scale.squeeze(-1), lo.astype(x.dtype).squeeze(-1)
 
 
-# One thread per group. dims = [n_groups, C (innermost length of x), L (quantized-axis length)].
-# Per channel, consecutive threads take consecutive channels of one token group, so the strided
-# reads of a warp are coalesced; per token, a thread reads its G contiguous elements.
+# One thread per group; WORDS code words per group (a group's bit stream is whole words).
+# dims = [n_groups, C (innermost length of x), L (quantized-axis length), channel tiles, group tiles].
+# Per token (values): a thread reads its G contiguous elements with 16-byte vector loads, twice
+# (min/max, then codes; the second pass hits the cache); its words and scale are contiguous with
+# its neighbours'. Per channel (keys): a block takes 32 channels x GT token groups; consecutive
+# threads take consecutive channels of one token row (coalesced reads), and the block stages its
+# codes and scales in shared memory so each channel's row of words is written contiguously.
 _BODY = """
-    const long n_groups = dims[0];
-    if (gid >= n_groups) return;
+    constexpr int WORDS = GROUP * BITS / 32;
+    constexpr int GT = (WORDS <= 8) ? 8 : 4;
+    constexpr int VEC = 16 / sizeof(T);
     const long C = dims[1];
     const long L = dims[2];
     const long groups_per_row = L / GROUP;
-    long in_base, in_stride, out_row, g;
-    if (PER_CHANNEL) {
-        long d = gid % C;
-        long rest = gid / C;
-        g = rest % groups_per_row;
-        long outer = rest / groups_per_row;
-        in_base = (outer * L + g * GROUP) * C + d;
-        in_stride = C;
-        out_row = outer * C + d;
-    } else {
-        g = gid % groups_per_row;
-        out_row = gid / groups_per_row;
-        in_base = out_row * L + g * GROUP;
-        in_stride = 1;
-    }
-    float lo = static_cast<float>(x[in_base]);
-    float hi = lo;
-    for (int i = 1; i < GROUP; ++i) {
-        float v = static_cast<float>(x[in_base + i * in_stride]);
-        lo = FMIN(lo, v);
-        hi = FMAX(hi, v);
-    }
-    const float levels = (float)((1 << BITS) - 1);
-    const T scale_t = static_cast<T>(FDIV(hi - lo, levels));
-    const float s = static_cast<float>(scale_t);
-    constexpr int WORDS = GROUP * BITS / 32;
-    unsigned int words[WORDS];
-    for (int w = 0; w < WORDS; ++w) words[w] = 0u;
-    for (int i = 0; i < GROUP; ++i) {
-        float q = 0.0f;
-        if (s > 0.0f) {
-            float v = static_cast<float>(x[in_base + i * in_stride]);
-            q = FMIN(FMAX(RINT(FDIV(v - lo, s)), 0.0f), levels);
-        }
-        unsigned int c = (unsigned int)q;
-        int bit = i * BITS;
-        words[bit / 32] |= c << (bit % 32);
-        if ((bit % 32) + BITS > 32) words[bit / 32 + 1] |= c >> (32 - (bit % 32));
-    }
     const long words_per_row = groups_per_row * WORDS;
-    for (int w = 0; w < WORDS; ++w) packed[out_row * words_per_row + g * WORDS + w] = words[w];
-    scales[out_row * groups_per_row + g] = scale_t;
-    zeros[out_row * groups_per_row + g] = static_cast<T>(lo);
+    const float levels = (float)((1 << BITS) - 1);
+    float lo = 0.0f;
+    float hi = 0.0f;
+    unsigned int words[WORDS];
+    KQ_UNROLL for (int w = 0; w < WORDS; ++w) words[w] = 0u;
+    if (PER_CHANNEL) {
+        KQ_SHARED unsigned int w_s[32 * GT * WORDS];
+        KQ_SHARED T s_s[32 * GT];
+        KQ_SHARED T z_s[32 * GT];
+        const long n_ctiles = dims[3];
+        const long n_gtiles = dims[4];
+        const long gt = tile % n_gtiles;
+        const long ct = (tile / n_gtiles) % n_ctiles;
+        const long outer = tile / n_gtiles / n_ctiles;
+        const int cl = tid % 32;
+        const int gl = tid / 32;
+        const long d = ct * 32 + cl;
+        const long g = gt * GT + gl;
+        if (d < C && g < groups_per_row) {
+            const long in_base = (outer * L + g * GROUP) * C + d;
+            lo = static_cast<float>(x[in_base]);
+            hi = lo;
+            for (int i = 1; i < GROUP; ++i) {
+                const float v = static_cast<float>(x[in_base + i * C]);
+                lo = FMIN(lo, v);
+                hi = FMAX(hi, v);
+            }
+            const T scale_t = static_cast<T>(FDIV(hi - lo, levels));
+            const float s = static_cast<float>(scale_t);
+            KQ_UNROLL for (int i = 0; i < GROUP; ++i) {
+                float q = 0.0f;
+                if (s > 0.0f) {
+                    const float v = static_cast<float>(x[in_base + i * C]);
+                    q = FMIN(FMAX(RINT(FDIV(v - lo, s)), 0.0f), levels);
+                }
+                const unsigned int c = (unsigned int)q;
+                const int bit = i * BITS;
+                words[bit / 32] |= c << (bit % 32);
+                if ((bit % 32) + BITS > 32) words[bit / 32 + 1] |= c >> (32 - (bit % 32));
+            }
+            KQ_UNROLL for (int w = 0; w < WORDS; ++w) w_s[(cl * GT + gl) * WORDS + w] = words[w];
+            s_s[cl * GT + gl] = scale_t;
+            z_s[cl * GT + gl] = static_cast<T>(lo);
+        }
+        KQ_BARRIER();
+        for (int i = tid; i < 32 * GT * WORDS; i += 32 * GT) {
+            const int c2 = i / (GT * WORDS);
+            const int k = i % (GT * WORDS);
+            const long d2 = ct * 32 + c2;
+            const long word = gt * GT * WORDS + k;
+            if (d2 < C && word < words_per_row) packed[(outer * C + d2) * words_per_row + word] = w_s[i];
+        }
+        {
+            const int c2 = tid / GT;
+            const int k = tid % GT;
+            const long d2 = ct * 32 + c2;
+            const long g2 = gt * GT + k;
+            if (d2 < C && g2 < groups_per_row) {
+                scales[(outer * C + d2) * groups_per_row + g2] = s_s[c2 * GT + k];
+                zeros[(outer * C + d2) * groups_per_row + g2] = z_s[c2 * GT + k];
+            }
+        }
+    } else {
+        if (gid >= dims[0]) return;
+        const long g = gid % groups_per_row;
+        const long out_row = gid / groups_per_row;
+        const KQ_DEVICE T* src = x + out_row * L + g * GROUP;
+        lo = static_cast<float>(src[0]);
+        hi = lo;
+        for (int i = 0; i < GROUP; i += VEC) {
+            KQ_VEC_LOAD(src + i)
+            for (int k = 0; k < VEC; ++k) {
+                const float v = static_cast<float>(buf[k]);
+                lo = FMIN(lo, v);
+                hi = FMAX(hi, v);
+            }
+        }
+        const T scale_t = static_cast<T>(FDIV(hi - lo, levels));
+        const float s = static_cast<float>(scale_t);
+        KQ_UNROLL for (int i = 0; i < GROUP; i += VEC) {
+            KQ_VEC_LOAD(src + i)
+            KQ_UNROLL for (int k = 0; k < VEC; ++k) {
+                float q = 0.0f;
+                if (s > 0.0f) q = FMIN(FMAX(RINT(FDIV(static_cast<float>(buf[k]) - lo, s)), 0.0f), levels);
+                const unsigned int c = (unsigned int)q;
+                const int bit = (i + k) * BITS;
+                words[bit / 32] |= c << (bit % 32);
+                if ((bit % 32) + BITS > 32) words[bit / 32 + 1] |= c >> (32 - (bit % 32));
+            }
+        }
+        KQ_UNROLL for (int w = 0; w < WORDS; ++w) packed[out_row * words_per_row + g * WORDS + w] = words[w];
+        scales[out_row * groups_per_row + g] = scale_t;
+        zeros[out_row * groups_per_row + g] = static_cast<T>(lo);
+    }
 """
 
 # The body spells float ops as macros; each backend's header defines them. CUDA: __fdiv_rn is the
@@ -136,31 +198,61 @@ CUDA_HEADER = """
 #define FMIN fminf
 #define FMAX fmaxf
 #define RINT rintf
+#define KQ_SHARED __shared__
+#define KQ_BARRIER() __syncthreads()
+#define KQ_DEVICE
+#define KQ_UNROLL _Pragma("unroll")
+#define KQ_VEC_LOAD(p) const uint4 raw_ = *reinterpret_cast<const uint4*>(p); const T* buf = reinterpret_cast<const T*>(&raw_);
 """
-CUDA_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;\n" + _BODY
+CUDA_SOURCE = (
+    "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x; const int tid = threadIdx.x;"
+    " const long tile = blockIdx.x;\n" + _BODY
+)
 
 # Metal: compiled with math_mode "safe" so `/` is correctly rounded; metal::rint rounds half to
-# even. UNTESTED here (no Apple GPU on these machines); kept line-for-line parallel to CUDA.
+# even. UNTESTED here (no Apple GPU on these machines); only these macros differ from CUDA, and the
+# dispatch self-tests the kernel bit for bit on first use.
 METAL_HEADER = """
 #define FDIV(a, b) ((a) / (b))
 #define FMIN metal::fmin
 #define FMAX metal::fmax
 #define RINT metal::rint
+#define KQ_SHARED threadgroup
+#define KQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define KQ_DEVICE device
+#define KQ_UNROLL _Pragma("clang loop unroll(full)")
+#define KQ_VEC_LOAD(p) T buf[VEC]; for (int k_ = 0; k_ < VEC; ++k_) buf[k_] = (p)[k_];
 """
-METAL_SOURCE = "const long gid = (long)thread_position_in_grid.x;\n" + _BODY
+METAL_SOURCE = (
+    "const long gid = (long)thread_position_in_grid.x; const int tid = (int)thread_position_in_threadgroup.x;"
+    " const long tile = (long)threadgroup_position_in_grid.x;\n" + _BODY
+)
 
 _kernels: dict[str, object] = {}
 
 
 def _kernel(backend: str):
     if backend not in _kernels:
-        names = dict(name="kivi_quantize_pack", input_names=["x", "dims"], output_names=["packed", "scales", "zeros"])
+        source, header = (CUDA_SOURCE, CUDA_HEADER) if backend == "cuda" else (METAL_SOURCE, METAL_HEADER)
+        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
+        names = dict(name=f"kivi_quantize_pack_{zlib.crc32((header + source).encode()):08x}",
+                     input_names=["x", "dims"], output_names=["packed", "scales", "zeros"])
         if backend == "cuda":
-            _kernels[backend] = mx.fast.cuda_kernel(**names, source=CUDA_SOURCE, header=CUDA_HEADER)
+            _kernels[backend] = mx.fast.cuda_kernel(**names, source=source, header=header)
         else:
-            _kernels[backend] = mx.fast.metal_kernel(
-                **names, source=METAL_SOURCE, header=METAL_HEADER, compile_options={"math_mode": "safe"})
+            _kernels[backend] = mx.fast.metal_kernel(**names, source=source, header=header,
+                                                     compile_options={"math_mode": "safe"})
     return _kernels[backend]
+
+
+_dims_cache: dict[tuple, mx.array] = {}
+
+
+def _dims(values: tuple) -> mx.array:
+    # one small array per shape, made once: a decode step quantizes the same shapes every step
+    if values not in _dims_cache:
+        _dims_cache[values] = mx.array(values, dtype=mx.int64)
+    return _dims_cache[values]
 
 
 def quantize_pack_kernel(
@@ -176,13 +268,21 @@ def quantize_pack_kernel(
     n_rows = 1
     for r in rows:
         n_rows *= r
-    n_groups = n_rows * (axis_len // group_size)
-    dims = mx.array([n_groups, channels, axis_len], dtype=mx.int64)
-    threads = 256
+    groups_per_row = axis_len // group_size
+    n_groups = n_rows * groups_per_row
+    if per_channel:  # blocks of 32 channels x GT groups (GT as in the kernel body)
+        group_tile = 8 if group_size * bits // 32 <= 8 else 4
+        threads = 32 * group_tile
+        c_tiles, g_tiles = -(-channels // 32), -(-groups_per_row // group_tile)
+        grid = (n_rows // channels * c_tiles * g_tiles * threads, 1, 1)
+    else:
+        threads, c_tiles, g_tiles = 256, 0, 0
+        grid = ((n_groups + threads - 1) // threads * threads, 1, 1)
+    dims = _dims((n_groups, channels, axis_len, c_tiles, g_tiles))
     packed, scales, zeros = _kernel(backend)(
         inputs=[x, dims],
         template=[("T", x.dtype), ("BITS", bits), ("GROUP", group_size), ("PER_CHANNEL", per_channel)],
-        grid=((n_groups + threads - 1) // threads * threads, 1, 1),
+        grid=grid,
         threadgroup=(threads, 1, 1),
         output_shapes=[rows + (axis_len * bits // 32,), rows + (axis_len // group_size,), rows + (axis_len // group_size,)],
         output_dtypes=[mx.uint32, x.dtype, x.dtype],
@@ -191,20 +291,26 @@ def quantize_pack_kernel(
     return packed, scales, zeros
 
 
-def gpu_backend() -> str | None:
-    """"cuda" or "metal" when the default device is a GPU of that kind, else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.cuda.is_available():
-        return "cuda"
-    if mx.metal.is_available():
-        return "metal"
-    return None
+def _selftest(backend: str, dtype, bits: int, group_size: int, per_channel: bool) -> None:
+    """Bit-exact check of the kernel against the reference on a small random input (with a
+    constant group and exact ties), outputs poisoned so an unwritten element cannot pass."""
+    shape = (2, 3, 2 * group_size, 64) if per_channel else (2, 5, 2 * group_size)
+    x = mx.random.normal(shape, key=mx.random.key(bits * 1000 + group_size)) * 3
+    x = mx.where(mx.arange(shape[-1]) % 7 == 0, mx.round(x * 2) / 2, x)  # ties on the code grid
+    x = x.astype(dtype)
+    got = quantize_pack_kernel(x, bits, group_size, per_channel, backend, init_value=3.0)
+    with mx.stream(mx.cpu):
+        want = quantize_pack_reference(x, bits, group_size, per_channel)
+        mx.eval(want)
+    dispatch.assert_equal(got, want, "kivi_quantize_pack self-test")
 
 
 def quantize_pack(x: mx.array, bits: int, group_size: int, per_channel: bool = False):
-    """KIVI quantize-and-pack on the fastest available path (see module docstring)."""
-    backend = gpu_backend()
+    """KIVI quantize-and-pack on the fused kernel where it passed its self-test, else the reference."""
+    _check(x, bits, group_size, per_channel)
+    variant = (bits, group_size, per_channel)
+    backend = dispatch.select("kivi_quantize_pack", x.dtype, variant,
+                              lambda b: _selftest(b, x.dtype, bits, group_size, per_channel))
     if backend is None:
         return quantize_pack_reference(x, bits, group_size, per_channel)
     return quantize_pack_kernel(x, bits, group_size, per_channel, backend)

@@ -2,15 +2,20 @@
 
 Keys are quantized per channel (groups of `group_size` tokens along the token axis), values per
 token (groups of `group_size` channels), both with min/max asymmetric groups (paper Eq. 1, see
-kvcompress/kernels/kivi_quant.py). The most recent `residual` tokens stay in full precision
-(paper Sec. 3.3, Algorithm 1) and are flushed to codes in whole groups, so group boundaries sit at
-multiples of `group_size` from position 0: prefilling in one shot or token by token quantizes the
-same positions identically.
+kvcompress/kernels/kivi_quant.py). Recent tokens stay in full precision, as the paper's Algorithm 1
+(residual_policy="paper", the default):
+- keys: the last T mod R keys are full precision; when R have gathered they are quantized together
+  (R a multiple of group_size, so groups sit at multiples of G from position 0);
+- values: exactly the last R values are full precision; each step quantizes the oldest one.
+residual_policy="grouped" is this project's earlier policy, kept as a named option for comparison:
+keys and values alike keep between R and R + G - 1 recent tokens, flushed a whole group at a time.
+Prefilling in one shot or token by token quantizes the same positions identically in both.
 
-Unlike a fake-quantizing cache, the codes are what is stored: keys as K^T [B, H_kv, D, T_q] packed
-along tokens and values as [B, H_kv, T_q, D] packed along channels, in MLX's quantized layout, so
-attention computes scores and outputs with `mx.quantized_matmul(..., transpose=False)` directly on
-codes; the residual joins before the softmax. `live_kv_bytes` is the bytes of those arrays.
+Unlike a fake-quantizing cache, the codes are what is stored: keys as K^T [B, H_kv, D, T_k] packed
+along tokens and values as [B, H_kv, T_v, D] packed along channels (with spare rows, so a decode
+step writes one row in place), in MLX's quantized layout. Decode attention runs on the codes
+(kvcompress/kernels/kivi_attention.py: a fused kernel on GPU, `mx.quantized_matmul` otherwise), the
+residual joining the same softmax. `live_kv_bytes` is the bytes of those arrays.
 """
 
 from __future__ import annotations
@@ -22,8 +27,12 @@ import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
 from ..attention import attention_geometry
+from ..kernels.kivi_attention import PackedSide, decode_attention, used_keys, used_values
 from ..kernels.kivi_quant import BITS, GROUP_SIZES, quantize_pack
 from .base import CompressedCache, ConfigError, Method, array_bytes, check
+
+RESIDUAL_POLICIES = ("paper", "grouped")
+VALUE_ROWS_STEP = 256  # spare value rows allocated at a time while decoding
 
 
 @dataclass(frozen=True)
@@ -32,8 +41,9 @@ class Kivi(Method):
 
     bits: code width of keys and values (2, 3, 4, 8); key_bits / value_bits override it per side
     (e.g. K4V2). group_size: tokens per key group and channels per value group (32, 64, 128; must
-    divide head_dim). residual: recent tokens kept in full precision (int >= 0); the residual holds
-    between `residual` and `residual + group_size - 1` tokens, since flushes are whole groups.
+    divide head_dim). residual: R, the full-precision window (see the module docstring; with the
+    paper's policy a positive multiple of group_size). residual_policy: "paper" (Algorithm 1) or
+    "grouped" (both sides keep R..R+G-1 tokens, flushed in whole groups).
     """
 
     name = "kivi"
@@ -42,6 +52,7 @@ class Kivi(Method):
     value_bits: int | None = None
     group_size: int = 32
     residual: int = 128
+    residual_policy: str = "paper"
 
     def __post_init__(self):
         allowed = "one of " + ", ".join(map(str, BITS))
@@ -49,8 +60,13 @@ class Kivi(Method):
         check(self.key_bits is None or self.key_bits in BITS, "kivi.key_bits", allowed + " or None", self.key_bits)
         check(self.value_bits is None or self.value_bits in BITS, "kivi.value_bits", allowed + " or None", self.value_bits)
         check(self.group_size in GROUP_SIZES, "kivi.group_size", "one of 32, 64, 128", self.group_size)
+        check(self.residual_policy in RESIDUAL_POLICIES, "kivi.residual_policy", "one of 'paper', 'grouped'", self.residual_policy)
         ok = isinstance(self.residual, int) and not isinstance(self.residual, bool) and self.residual >= 0
         check(ok, "kivi.residual", "an int >= 0", self.residual)
+        if self.residual_policy == "paper":
+            ok = self.residual > 0 and self.residual % self.group_size == 0
+            check(ok, "kivi.residual", f"a positive multiple of group_size ({self.group_size}) with residual_policy='paper'",
+                  self.residual)
 
     @property
     def k_bits(self) -> int:
@@ -71,7 +87,8 @@ class Kivi(Method):
                 f"kivi.group_size: expected a divisor of the model's head_dim {head_dim} "
                 f"(values are grouped along channels), got {self.group_size}"
             )
-        return [KiviCache(self.k_bits, self.v_bits, self.group_size, self.residual) for _ in model.layers]
+        return [KiviCache(self.k_bits, self.v_bits, self.group_size, self.residual, self.residual_policy)
+                for _ in model.layers]
 
 
 def _own(x: mx.array) -> mx.array:
@@ -82,90 +99,109 @@ def _own(x: mx.array) -> mx.array:
 class KiviCache(CompressedCache):
     """Packed KIVI storage for one layer (see module docstring).
 
-    keys_packed   = (codes [B, H, D, T_q*kb/32] uint32, scales [B, H, D, T_q/G], zeros [B, H, D, T_q/G])
-    values_packed = (codes [B, H, T_q, D*vb/32] uint32, scales [B, H, T_q, D/G], zeros [B, H, T_q, D/G])
-    keys, values  = the full-precision residual [B, H, T_r, D];  offset = T_q + T_r (true position)
+    keys_packed   = (codes [B, H, D, n_k*kb/32] uint32, scales [B, H, D, n_k/G], zeros [B, H, D, n_k/G])
+    values_packed = (codes [B, H, cap, D*vb/32] uint32, scales [B, H, cap, D/G], zeros ...), first n_v rows used
+    keys, values  = the full-precision residuals [B, H, offset - n_k, D] and [B, H, offset - n_v, D]
     """
 
-    def __init__(self, key_bits: int = 2, value_bits: int = 2, group_size: int = 32, residual: int = 128):
+    def __init__(self, key_bits: int = 2, value_bits: int = 2, group_size: int = 32, residual: int = 128,
+                 residual_policy: str = "paper"):
+        if residual_policy not in RESIDUAL_POLICIES:
+            raise ConfigError(f"kivi.residual_policy: expected one of 'paper', 'grouped', got {residual_policy!r}")
+        if residual_policy == "paper" and (residual <= 0 or residual % group_size):
+            raise ConfigError(f"kivi.residual: expected a positive multiple of group_size ({group_size}) "
+                              f"with residual_policy='paper', got {residual!r}")
         self.key_bits, self.value_bits = key_bits, value_bits
-        self.group_size, self.residual = group_size, residual
+        self.group_size, self.residual, self.residual_policy = group_size, residual, residual_policy
         self.keys_packed = self.values_packed = None
         self.keys = self.values = None
+        self.n_keys_quantized = self.n_values_quantized = 0
         self.offset = 0
 
-    @property
-    def n_quantized(self) -> int:
-        return self.offset - (0 if self.keys is None else self.keys.shape[2])
+    def quantized_targets(self, offset: int) -> tuple[int, int]:
+        """(keys, values) held as codes once `offset` tokens are in the cache."""
+        R, G = self.residual, self.group_size
+        if self.residual_policy == "paper":
+            return offset - offset % R, max(0, offset - R)
+        aged = max(0, offset - R) // G * G
+        return aged, aged
 
-    def _flush_boundary(self, n_quantized: int) -> int:
-        """Tokens that should be codes now: all but the residual, rounded down to whole groups."""
-        aged = max(0, self.offset - self.residual)
-        return max(n_quantized, aged // self.group_size * self.group_size)
+    def _append_values(self, new: tuple, n: int) -> None:
+        """Write n new value rows after the used ones; grow by VALUE_ROWS_STEP spare rows when full
+        (a prefill allocates exactly), so a decode step writes one row in place."""
+        used = self.n_values_quantized
+        if self.values_packed is not None and used + n <= self.values_packed[0].shape[2]:
+            for buffer, rows in zip(self.values_packed, new):
+                buffer[:, :, used : used + n, :] = rows
+            return
+        spare = VALUE_ROWS_STEP if self.values_packed is not None else 0
+        grown = []
+        for i, rows in enumerate(new):
+            parts = [self.values_packed[i][:, :, :used]] if self.values_packed is not None else []
+            parts.append(rows)
+            if spare:
+                parts.append(mx.zeros((*rows.shape[:2], spare, rows.shape[3]), dtype=rows.dtype))
+            grown.append(mx.concatenate(parts, axis=2) if len(parts) > 1 else rows)
+        self.values_packed = tuple(grown)
 
     def update_and_fetch(self, keys, values):
-        # keys, values: [B, H_kv, S, D] post-RoPE. Returns the pre-flush view for `attention`:
-        # ((packed K^T or None, residual + new keys), (packed V or None, residual + new values)),
-        # so the S new tokens attend to each other in full precision, as in KIVI's prefill.
-        if self.keys is None:
-            res_k, res_v = keys, values
-        else:
-            res_k = mx.concatenate([self.keys, keys], axis=2)
-            res_v = mx.concatenate([self.values, values], axis=2)
-        view = (self.keys_packed, res_k), (self.values_packed, res_v)
-        n_quantized = self.n_quantized
+        # keys, values: [B, H_kv, S, D] post-RoPE. Returns (keys, values) as `PackedSide`s for
+        # `attention`. A decode step (S == 1) sees the cache after this step's flush, as the paper's
+        # Algorithm 1; a longer chunk sees itself in full precision (as KIVI's prefill does).
+        res_k = keys if self.keys is None else mx.concatenate([self.keys, keys], axis=2)
+        res_v = values if self.values is None else mx.concatenate([self.values, values], axis=2)
+        before = (PackedSide(self.keys_packed, self.n_keys_quantized, res_k),
+                  PackedSide(self.values_packed, self.n_values_quantized, res_v))
         self.offset += keys.shape[2]
-        n_flush = self._flush_boundary(n_quantized) - n_quantized
-        if n_flush > 0:
-            G = self.group_size
-            new_k = quantize_pack(res_k[:, :, :n_flush], self.key_bits, G, per_channel=True)
-            new_v = quantize_pack(res_v[:, :, :n_flush], self.value_bits, G, per_channel=False)
-            if self.keys_packed is None:
-                self.keys_packed, self.values_packed = new_k, new_v
-            else:  # keys grow along their last (token) axis, values along rows
-                self.keys_packed = tuple(mx.concatenate([a, b], axis=-1) for a, b in zip(self.keys_packed, new_k))
-                self.values_packed = tuple(mx.concatenate([a, b], axis=-2) for a, b in zip(self.values_packed, new_v))
-            res_k, res_v = _own(res_k[:, :, n_flush:]), _own(res_v[:, :, n_flush:])
-        self.keys, self.values = res_k, res_v
-        return view
-
-    def attention(self, queries, keys, values, scale, mask):
-        # queries [B, H_q, L, D]; keys/values: the views update_and_fetch returned
-        (k_packed, k_res), (v_packed, v_res) = keys, values
-        B, n_q, L, D = queries.shape
-        n_kv = k_res.shape[1]
-        rep = n_q // n_kv
+        target_k, target_v = self.quantized_targets(self.offset)
         G = self.group_size
-        # GQA: fold the query group into the row axis (query head h uses kv head h // rep); the
-        # broadcast-over-an-inserted-axis form of quantized_matmul is wrong on CUDA
-        q = (queries * scale).reshape(B, n_kv, rep * L, D)
-        scores = [q @ k_res.swapaxes(-1, -2)]  # [B, H_kv, rep*L, T_r]
-        if k_packed is not None:
-            scores.insert(0, mx.quantized_matmul(q, *k_packed, transpose=False, group_size=G, bits=self.key_bits))
-        scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-        T = scores.shape[-1]
-        scores = scores.reshape(B, n_q, L, T)
-        if isinstance(mask, str):  # "causal", bottom-right aligned
-            mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
-        if mask is not None:
-            scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-        probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, n_kv, rep * L, T)
-        n_packed = T - k_res.shape[2]
-        out = probs[..., n_packed:] @ v_res  # [B, H_kv, rep*L, D]
-        if v_packed is not None:
-            out = out + mx.quantized_matmul(
-                probs[..., :n_packed], *v_packed, transpose=False, group_size=G, bits=self.value_bits
-            )
-        return out.reshape(B, n_q, L, D)
+        if target_k > self.n_keys_quantized:
+            n = target_k - self.n_keys_quantized
+            new = quantize_pack(res_k[:, :, :n], self.key_bits, G, per_channel=True)
+            if self.keys_packed is None:
+                self.keys_packed = new
+            else:  # keys grow along their last (token) axis; a flush is R tokens, every R steps
+                self.keys_packed = tuple(mx.concatenate([a, b], axis=-1) for a, b in zip(self.keys_packed, new))
+            res_k = _own(res_k[:, :, n:])
+            self.n_keys_quantized = target_k
+        if target_v > self.n_values_quantized:
+            n = target_v - self.n_values_quantized
+            self._append_values(quantize_pack(res_v[:, :, :n], self.value_bits, G, per_channel=False), n)
+            res_v = _own(res_v[:, :, n:])
+            self.n_values_quantized = target_v
+        self.keys, self.values = res_k, res_v
+        if keys.shape[2] > 1:
+            return before
+        return (PackedSide(self.keys_packed, self.n_keys_quantized, res_k),
+                PackedSide(self.values_packed, self.n_values_quantized, res_v))
+
+    def attention(self, queries, keys: PackedSide, values: PackedSide, scale, mask):
+        # queries [B, H_q, L, D]; keys/values: the sides update_and_fetch returned
+        B, n_q, L, D = queries.shape
+        if n_q // keys.residual.shape[1] * L <= 8:  # decode: attention on the codes
+            return decode_attention(queries, keys, values, scale, mask, self.key_bits, self.value_bits, self.group_size)
+        # a prefill chunk: its own tokens dominate the work, so dequantize the codes once and use
+        # MLX's fused attention (GQA and masks handled there) instead of many-row quantized matmuls
+        k, v = self._dequantize_sides(keys, values)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+    def _dequantize_sides(self, keys: PackedSide, values: PackedSide) -> tuple[mx.array, mx.array]:
+        G = self.group_size
+        k, v = [keys.residual], [values.residual]
+        if keys.n_packed:
+            k.insert(0, mx.dequantize(*used_keys(keys, self.key_bits, G), group_size=G, bits=self.key_bits)
+                     .swapaxes(-1, -2).astype(keys.residual.dtype))
+        if values.n_packed:
+            v.insert(0, mx.dequantize(*used_values(values), group_size=G, bits=self.value_bits).astype(values.residual.dtype))
+        return (mx.concatenate(k, axis=2) if len(k) > 1 else k[0]), (mx.concatenate(v, axis=2) if len(v) > 1 else v[0])
+
+    def _sides(self) -> tuple[PackedSide, PackedSide]:
+        return (PackedSide(self.keys_packed, self.n_keys_quantized, self.keys),
+                PackedSide(self.values_packed, self.n_values_quantized, self.values))
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H, T, D] as attention sees them: dequantized codes + residual."""
-        G = self.group_size
-        keys, values = [self.keys], [self.values]
-        if self.keys_packed is not None:
-            keys.insert(0, mx.dequantize(*self.keys_packed, group_size=G, bits=self.key_bits).swapaxes(-1, -2))
-            values.insert(0, mx.dequantize(*self.values_packed, group_size=G, bits=self.value_bits))
-        return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
+        return self._dequantize_sides(*self._sides())
 
     def make_mask(self, N, return_array=False, window_size=None):
         # every token is kept (as codes or residual), in order: plain causal over offset + N keys
@@ -177,6 +213,7 @@ class KiviCache(CompressedCache):
 
     @property
     def live_kv_bytes(self) -> int:
+        # resident bytes, the value rows allocated ahead included
         packed = (self.keys_packed or ()) + (self.values_packed or ())
         return array_bytes(*packed, self.keys, self.values)
 
@@ -187,42 +224,38 @@ class KiviCache(CompressedCache):
         return True
 
     def trim(self, n):
-        """Drop the last n tokens. Whole groups past the new end are dropped; the kept head of a
-        group cut in two returns to the residual dequantized (its original precision is gone), and
-        is quantized again by a later flush."""
+        """Drop the last n tokens and restore the policy's split for the new length. Codes past it
+        return to the residual dequantized (their original precision is gone) and are quantized
+        again by a later flush."""
         n = min(self.offset, n)
         if n == 0:
             return 0
-        G, n_quantized, new_offset = self.group_size, self.n_quantized, self.offset - n
-        keep = min(n_quantized, new_offset // G * G)
-        head_k = head_v = None
-        if keep < n_quantized:
-            keys, values = self.dequantized()
-            head_k = keys[:, :, keep : min(n_quantized, new_offset)]
-            head_v = values[:, :, keep : min(n_quantized, new_offset)]
-            if keep == 0:
-                self.keys_packed = self.values_packed = None
-            else:
-                kw, vw = keep * self.key_bits // 32, keep * self.value_bits // 32
-                k_codes, k_scales, k_zeros = self.keys_packed
-                v_codes, v_scales, v_zeros = self.values_packed
-                self.keys_packed = (_own(k_codes[..., :kw]), _own(k_scales[..., : keep // G]), _own(k_zeros[..., : keep // G]))
-                self.values_packed = (_own(v_codes[..., :keep, :]), _own(v_scales[..., :keep, :]), _own(v_zeros[..., :keep, :]))
-        res_len = max(0, new_offset - n_quantized)
-        res_k, res_v = self.keys[:, :, :res_len], self.values[:, :, :res_len]
-        if head_k is not None:
-            res_k = mx.concatenate([head_k.astype(res_k.dtype), res_k], axis=2)
-            res_v = mx.concatenate([head_v.astype(res_v.dtype), res_v], axis=2)
-        self.keys, self.values = _own(res_k), _own(res_v)
-        self.offset = new_offset
+        new_offset = self.offset - n
+        target_k, target_v = self.quantized_targets(new_offset)  # never more than held now
+        keys, values = self.dequantized()
+        G, kb = self.group_size, self.key_bits
+        if target_k == 0:
+            self.keys_packed = None
+        elif target_k < self.n_keys_quantized:
+            codes, scales, zeros = self.keys_packed
+            self.keys_packed = (_own(codes[..., : target_k * kb // 32]), _own(scales[..., : target_k // G]),
+                                _own(zeros[..., : target_k // G]))
+        if target_v == 0:
+            self.values_packed = None
+        elif target_v < self.n_values_quantized:
+            self.values_packed = tuple(_own(a[:, :, :target_v]) for a in self.values_packed)
+        self.keys = _own(keys[:, :, target_k:new_offset].astype(self.keys.dtype))
+        self.values = _own(values[:, :, target_v:new_offset].astype(self.values.dtype))
+        self.n_keys_quantized, self.n_values_quantized, self.offset = target_k, target_v, new_offset
         return n
 
-    # state: arrays, then the integers that define the cache, so mlx-lm's save/load_prompt_cache
-    # (which stores `state` only, scalars included) restores a cache without its config.
+    # state: arrays (the used value rows only), then the values that define the cache, so
+    # mlx-lm's save/load_prompt_cache (which stores `state` only, scalars included) restores a
+    # cache without its config.
     @property
     def state(self):
         k = self.keys_packed or (None, None, None)
-        v = self.values_packed or (None, None, None)
+        v = (None, None, None) if self.values_packed is None else used_values(self._sides()[1])
         return (*k, *v, self.keys, self.values, *self._meta())
 
     @state.setter
@@ -231,12 +264,15 @@ class KiviCache(CompressedCache):
         self.keys_packed = None if k_codes is None else (k_codes, k_scales, k_zeros)
         self.values_packed = None if v_codes is None else (v_codes, v_scales, v_zeros)
         self._set_meta(v[8:])
+        self.n_keys_quantized = 0 if k_codes is None else k_codes.shape[-1] * 32 // self.key_bits
+        self.n_values_quantized = 0 if v_codes is None else v_codes.shape[2]
 
-    def _meta(self) -> tuple[int, ...]:
-        return self.offset, self.key_bits, self.value_bits, self.group_size, self.residual
+    def _meta(self) -> tuple:
+        return self.offset, self.key_bits, self.value_bits, self.group_size, self.residual, self.residual_policy
 
     def _set_meta(self, meta) -> None:
-        self.offset, self.key_bits, self.value_bits, self.group_size, self.residual = map(int, meta)
+        self.offset, self.key_bits, self.value_bits, self.group_size, self.residual = map(int, meta[:5])
+        self.residual_policy = str(meta[5])
 
     @property
     def meta_state(self):

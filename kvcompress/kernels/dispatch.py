@@ -1,0 +1,124 @@
+"""One dispatch for every fused kernel: self-test on first use, fall back, record the path that ran.
+
+A fused kernel (CUDA or Metal, compiled at run time) is only trusted after it has matched its MLX
+reference on this machine. On the first call per (kernel, backend, dtype, variant) -- the variant
+being the template parameters that select a separately compiled instance, such as the code widths
+-- `select` runs the kernel's small self-test (a random problem, fused vs reference). If the self-test
+raises (a compile error, wrong numbers), it warns once and that key uses the reference from then
+on, so a Metal source that fails to compile on a user's Mac costs speed, not results.
+
+`KVCOMPRESS_KERNELS` forces a path: `reference` (never a fused kernel), `fused` (the fused kernel
+without self-test, for benchmarks and debugging; an error where no GPU backend exists), or unset /
+`auto` (self-test, then fused or reference). Every call records which path ran; the runner stores
+`paths_used()` in each run's `config` (key `kernels`), so a result says whether it came from a
+kernel or from the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable
+
+import mlx.core as mx
+
+ENV = "KVCOMPRESS_KERNELS"
+MODES = ("auto", "reference", "fused")
+
+_verdicts: dict[tuple, str] = {}  # (kernel, backend, dtype, variant) -> "fused" | "reference"
+_paths: dict[str, str] = {}  # "kernel/backend/dtype" -> path of the latest call since reset_paths()
+
+
+def mode() -> str:
+    """The forced path from the environment ("auto" when unset); a bad value is an error."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{ENV}: expected one of {', '.join(MODES)} (or unset), got {value!r}")
+    return value
+
+
+def gpu_backend() -> str | None:
+    """"cuda" or "metal" when the default device is a GPU of that kind, else None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.cuda.is_available():
+        return "cuda"
+    if mx.metal.is_available():
+        return "metal"
+    return None
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+def select(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None]) -> str | None:
+    """The backend to run `kernel` fused on, or None to run the MLX reference.
+
+    selftest(backend) runs a small problem through the fused kernel and its reference and raises
+    when they differ (or the kernel does not compile)."""
+    forced = mode()
+    backend = gpu_backend()
+    path_key = f"{kernel}/{backend or 'cpu'}/{_dtype_name(dtype)}"
+    if forced == "fused" and backend is None:
+        raise RuntimeError(f"{ENV}=fused but the default device has no CUDA or Metal backend")
+    if forced == "reference" or backend is None:
+        _paths[path_key] = "reference"
+        return None
+    if forced == "fused":
+        _paths[path_key] = "fused"
+        return backend
+    key = (kernel, backend, _dtype_name(dtype), variant)
+    if key not in _verdicts:
+        try:
+            selftest(backend)
+            _verdicts[key] = "fused"
+        except Exception as exc:  # any failure means: do not trust this kernel here
+            _verdicts[key] = "reference"
+            warnings.warn(
+                f"kvcompress: fused kernel {kernel} ({backend}, {_dtype_name(dtype)}, {variant}) failed its "
+                f"self-test, using the MLX reference instead: {type(exc).__name__}: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    path = _verdicts[key]
+    # a key that fell back marks the whole (kernel, backend, dtype) as reference for this run
+    if _paths.get(path_key) != "reference":
+        _paths[path_key] = path
+    return backend if path == "fused" else None
+
+
+def record_reference(kernel: str, dtype) -> None:
+    """Record that a call of `kernel` ran the reference because the fused kernel does not cover it."""
+    _paths[f"{kernel}/{gpu_backend() or 'cpu'}/{_dtype_name(dtype)}"] = "reference"
+
+
+def paths_used() -> dict[str, str]:
+    """{"kernel/backend/dtype": "fused" | "reference"} for the calls since the last reset."""
+    return dict(sorted(_paths.items()))
+
+
+def reset_paths() -> None:
+    _paths.clear()
+
+
+def forget_verdicts() -> None:
+    """Drop cached self-test results (tests that swap a kernel source call this)."""
+    _verdicts.clear()
+
+
+def assert_close(got: mx.array, want: mx.array, rel_l2: float, what: str) -> None:
+    """Raise AssertionError unless got is finite and within rel_l2 (relative L2) of want."""
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    if not mx.all(mx.isfinite(got)).item():
+        raise AssertionError(f"{what}: non-finite output")
+    err = (mx.linalg.norm(got - want) / mx.maximum(mx.linalg.norm(want), 1e-30)).item()
+    if not err <= rel_l2:
+        raise AssertionError(f"{what}: relative L2 error {err:.3g} > {rel_l2:.1g}")
+
+
+def assert_equal(got, want, what: str) -> None:
+    """Raise AssertionError unless every array pair is bit-identical."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a.shape != b.shape or a.dtype != b.dtype or not mx.array_equal(a, b).item():
+            raise AssertionError(f"{what}: output {i} differs from the reference")

@@ -1,0 +1,573 @@
+"""KIVI decode attention on packed codes: one fused kernel body for CUDA and Metal, MLX reference beside it.
+
+The problem: 1..8 query rows per KV head (a decode step's GQA group, rep * L rows folded into one
+matrix, as in kvcompress/methods/kivi.py) attend over T tokens whose first `n_packed` keys are KIVI
+codes (per channel, K^T [D, T*kb/32] in MLX's layout, groups of G tokens) and whose first
+`n_packed` values are codes (per token, [T, D*vb/32], groups of G channels); the remaining tokens of
+each side are a full-precision residual. Keys and values may have different numbers of codes (the
+paper's residual policy quantizes keys R at a time and values one at a time).
+
+The fused kernel is flash-decoding (Dao et al., 2023): the token axis is cut into tiles of 256;
+each thread block takes `tiles_per_block` consecutive tiles of one (batch, KV head) row and keeps a
+running max and sum per query row (online softmax), so the partial output of a block is exact up to
+one rescale. A second tiny kernel combines the blocks. Inside a tile:
+- scores: warp w sums channels [w*D/4, (w+1)*D/4) for all 256 tokens (8 per lane). Each lane reads
+  its 8 tokens' codes of one channel as one 16/32/64-bit piece of a code word, consecutive lanes
+  consecutive pieces (coalesced), dequantizes in registers with the channel's scale and zero, and
+  accumulates all query rows at once: every code byte is read once for the whole query group.
+  Score = sum_d q_d * (z_d + s_d * c_d) = sum_d (q_d s_d) c_d + sum_d q_d z_d.
+- residual keys (full precision) are read directly in the same tile loop, so the residual joins
+  the same softmax.
+- values: each thread owns 8 channels of the output and a 32-token slice of the tile; it reads the
+  8 codes of a token as one piece, out_c += (p s) c + p z; residual values likewise in full precision.
+Accumulation is float32 throughout; the query is pre-scaled by scale * log2(e) and exp2 is used.
+
+Supported: key/value bits 2, 4, 8 (3-bit codes straddle words: reference only), head_dim a multiple
+of 32 up to 256, 1..8 rows, mask None or "causal" (bottom-right aligned over the L query positions).
+Everything else runs the reference. `decode_attention` picks the path through kernels/dispatch.py.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from . import dispatch
+
+FUSED_BITS = (2, 4, 8)
+MAX_ROWS = 8
+TILE = 256  # tokens per tile: 32 lanes x 8 tokens
+THREADS = 128  # 4 warps
+
+
+class PackedSide(NamedTuple):
+    """One side (keys or values) of a KIVI cache as attention sees it.
+
+    packed: (codes, scales, zeros) or None. Keys: K^T codes [B, H, D, >= n*kb/32], scales/zeros
+    [B, H, D, >= n/G]. Values: codes [B, H, >= n, D*vb/32], scales/zeros [B, H, >= n, D/G]. Arrays
+    may hold spare capacity past the first n tokens.
+    n_packed: tokens held as codes (the first n_packed positions).
+    residual: [B, H, T - n_packed, D] full precision, the positions after the codes.
+    """
+
+    packed: tuple | None
+    n_packed: int
+    residual: mx.array
+
+
+# The used part of arrays with spare capacity is copied: quantized_matmul on CUDA has no
+# implementation for strided weights ("No implementation for problem shape"), measured on the H200.
+
+
+def used_keys(side: PackedSide, bits: int, group_size: int):
+    """The key codes of the first n_packed tokens, contiguous."""
+    codes, scales, zeros = side.packed
+    n = side.n_packed
+    if codes.shape[-1] * 32 // bits == n:
+        return codes, scales, zeros
+    G = group_size
+    return tuple(mx.contiguous(a) for a in (codes[..., : n * bits // 32], scales[..., : n // G], zeros[..., : n // G]))
+
+
+def used_values(side: PackedSide):
+    """The value codes of the first n_packed tokens, contiguous."""
+    codes, scales, zeros = side.packed
+    n = side.n_packed
+    if codes.shape[-2] == n:
+        return codes, scales, zeros
+    return tuple(mx.contiguous(a[..., :n, :]) for a in (codes, scales, zeros))
+
+
+def decode_attention_reference(queries, keys: PackedSide, values: PackedSide, scale: float, mask,
+                               key_bits: int, value_bits: int, group_size: int) -> mx.array:
+    """Attention straight on the codes with `mx.quantized_matmul` (MLX ops only; any rows, any mask).
+
+    queries [B, H_q, L, D] post-RoPE; returns [B, H_q, L, D]. GQA: the query group is folded into
+    the row axis (query head h uses KV head h // rep), which is exact on CPU and CUDA alike (the
+    broadcast-over-an-inserted-axis form of quantized_matmul is wrong on CUDA)."""
+    B, n_q, L, D = queries.shape
+    n_kv = keys.residual.shape[1]
+    rep = n_q // n_kv
+    G = group_size
+    q = (queries * scale).reshape(B, n_kv, rep * L, D)
+    scores = []
+    if keys.n_packed:
+        scores.append(mx.quantized_matmul(q, *used_keys(keys, key_bits, G), transpose=False, group_size=G, bits=key_bits))
+    if keys.residual.shape[2]:
+        scores.append(q @ keys.residual.swapaxes(-1, -2))
+    scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    T = scores.shape[-1]
+    scores = scores.reshape(B, n_q, L, T)
+    if isinstance(mask, str):  # "causal", bottom-right aligned
+        mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, n_kv, rep * L, T)
+    n_v = values.n_packed
+    out = None
+    if values.residual.shape[2]:
+        out = probs[..., n_v:] @ values.residual
+    if n_v:
+        packed = mx.quantized_matmul(probs[..., :n_v], *used_values(values), transpose=False, group_size=G, bits=value_bits)
+        out = packed if out is None else out + packed
+    return out.reshape(B, n_q, L, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused kernel. Template constants: T (dtype of q, scales, zeros, residuals), KB, VB, G, D, M
+# (rows per KV head), L (query positions; rows are rep-major, row m is position m % L), CAUSAL.
+# dims: [T_total, n_k (key codes), n_v (value codes), tiles_per_block, key words per channel row,
+# key groups per channel row, value capacity rows, blocks per (batch, head) row].
+
+_ATTN_BODY = """
+    constexpr int NW = NT / 32;
+    constexpr int TILE = 256;
+    constexpr int DW = D / NW;
+    constexpr int CG = D / 8;
+    constexpr int TL = NT / CG;
+    constexpr int TPL = TILE / TL;
+    constexpr unsigned int KMASK = (1u << KB) - 1u;
+    constexpr unsigned int VMASK = (1u << VB) - 1u;
+    constexpr int VWROW = D * VB / 32;
+    constexpr int VGROW = D / G;
+    const int T_total = dims[0];
+    const int nk = dims[1];
+    const int nv = dims[2];
+    const int tiles_per_block = dims[3];
+    const int kwrow = dims[4];
+    const int kgrow = dims[5];
+    const int vcap = dims[6];
+    const int nb = dims[7];
+    const int trk = T_total - nk;
+    const int trv = T_total - nv;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int cg = tid % CG;
+    const int tl = tid / CG;
+    const int c0 = cg * 8;
+
+    KV_SHARED float qs[D * M];
+    KV_SHARED float sc[M * TILE];
+    KV_SHARED float red[M * D];
+    KV_SHARED float run_max[M];
+    KV_SHARED float run_sum[M];
+    KV_SHARED float corr[M];
+
+    const float qscale = params[0];
+    for (int i = tid; i < D * M; i += NT) {
+        const int m = i % M;
+        const int d = i / M;
+        qs[i] = static_cast<float>(q[((long)bh * M + m) * D + d]) * qscale;
+    }
+    if (tid < M) {
+        run_max[tid] = NEG_INF;
+        run_sum[tid] = 0.0f;
+    }
+    float acc[M][8];
+    float zacc[M];
+    KV_UNROLL for (int m = 0; m < M; ++m) {
+        zacc[m] = 0.0f;
+        KV_UNROLL for (int j = 0; j < 8; ++j) acc[m][j] = 0.0f;
+    }
+    KV_BARRIER();
+
+    const int tile0 = blk * tiles_per_block;
+    for (int tile = tile0; tile < tile0 + tiles_per_block; ++tile) {
+        const int start = tile * TILE;
+        if (start >= T_total) break;
+
+        // ---- scores of this tile: lane owns tokens t0..t0+7, warp owns channels [warp*DW, +DW)
+        float s[M][8];
+        KV_UNROLL for (int m = 0; m < M; ++m) {
+            KV_UNROLL for (int j = 0; j < 8; ++j) s[m][j] = 0.0f;
+        }
+        const int t0 = start + lane * 8;
+        if (t0 + 8 <= nk) {
+            const int g = t0 / G;
+            const int sh = (t0 * KB) % 32;
+            // this warp's first channel row; rows of one (batch, head) are kwrow words apart
+            const long row0 = (long)bh * D + warp * DW;
+            const KV_DEVICE unsigned int* kcp = kc + row0 * kwrow + (t0 * KB) / 32;
+            const KV_DEVICE T* ksp = ks + row0 * kgrow + g;
+            const KV_DEVICE T* kzp = kz + row0 * kgrow + g;
+            float zs[M];
+            KV_UNROLL for (int m = 0; m < M; ++m) zs[m] = 0.0f;
+            KV_UNROLL for (int dd = 0; dd < DW; ++dd) {
+                const int d = warp * DW + dd;
+                const unsigned int w0 = kcp[dd * kwrow];
+                const unsigned int w1 = (KB == 8) ? kcp[dd * kwrow + 1] : 0u;
+                const float sk = static_cast<float>(ksp[dd * kgrow]);
+                const float zk = static_cast<float>(kzp[dd * kgrow]);
+                float a[M];
+                KV_UNROLL for (int m = 0; m < M; ++m) {
+                    const float qv = qs[d * M + m];
+                    a[m] = qv * sk;
+                    zs[m] += qv * zk;
+                }
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
+                    const int bit = j * KB;
+                    const unsigned int code = ((bit < 32) ? (w0 >> (sh + bit)) : (w1 >> (bit - 32))) & KMASK;
+                    const float cf = CODE_TO_FLOAT(code);
+                    KV_UNROLL for (int m = 0; m < M; ++m) s[m][j] += a[m] * cf;
+                }
+            }
+            KV_UNROLL for (int m = 0; m < M; ++m) {
+                KV_UNROLL for (int j = 0; j < 8; ++j) s[m][j] += zs[m];
+            }
+        } else {
+            KV_UNROLL for (int j = 0; j < 8; ++j) {
+                const int t = t0 + j;
+                if (t >= nk && t < T_total) {
+                    const long base = ((long)bh * trk + (t - nk)) * D + warp * DW;
+                    for (int dd = 0; dd < DW; ++dd) {
+                        const float kv = static_cast<float>(kr[base + dd]);
+                        KV_UNROLL for (int m = 0; m < M; ++m) s[m][j] += qs[(warp * DW + dd) * M + m] * kv;
+                    }
+                }
+            }
+        }
+        // sum the warps' partial scores; token lane*8+j lives at sc[m*TILE + j*32 + lane]
+        for (int w = 0; w < NW; ++w) {
+            if (warp == w) {
+                KV_UNROLL for (int m = 0; m < M; ++m) {
+                    KV_UNROLL for (int j = 0; j < 8; ++j) {
+                        const int idx = m * TILE + j * 32 + lane;
+                        sc[idx] = (w == 0 ? 0.0f : sc[idx]) + s[m][j];
+                    }
+                }
+            }
+            KV_BARRIER();
+        }
+
+        // ---- online softmax: warp w owns rows w, w + NW, ...
+        for (int m = warp; m < M; m += NW) {
+            const int last = CAUSAL ? T_total - L + (m % L) : T_total - 1;
+            float v[8];
+            float tile_max = NEG_INF;
+            KV_UNROLL for (int j = 0; j < 8; ++j) {
+                const int t = start + lane * 8 + j;
+                const float x = sc[m * TILE + j * 32 + lane];
+                v[j] = (t <= last) ? x : NEG_INF;
+                tile_max = FMAX(tile_max, v[j]);
+            }
+            for (int off = 16; off > 0; off /= 2) tile_max = FMAX(tile_max, SHFL_XOR(tile_max, off));
+            const float old_max = run_max[m];
+            const float new_max = FMAX(old_max, tile_max);
+            float tile_sum = 0.0f;
+            KV_UNROLL for (int j = 0; j < 8; ++j) {
+                const float p = (v[j] == NEG_INF) ? 0.0f : EXP2(v[j] - new_max);
+                sc[m * TILE + j * 32 + lane] = p;
+                tile_sum += p;
+            }
+            for (int off = 16; off > 0; off /= 2) tile_sum += SHFL_XOR(tile_sum, off);
+            if (lane == 0) {
+                const float c = (old_max == NEG_INF) ? 0.0f : EXP2(old_max - new_max);
+                corr[m] = c;
+                run_sum[m] = run_sum[m] * c + tile_sum;
+                run_max[m] = new_max;
+            }
+        }
+        KV_BARRIER();
+
+        // ---- values: thread owns channels c0..c0+7 and tokens tl*TPL .. tl*TPL+TPL-1 of the tile
+        KV_UNROLL for (int m = 0; m < M; ++m) {
+            const float c = corr[m];
+            zacc[m] *= c;
+            KV_UNROLL for (int j = 0; j < 8; ++j) acc[m][j] *= c;
+        }
+        const int vt0 = start + tl * TPL;
+        const int vwi = (c0 * VB) / 32;
+        const int vsh = (c0 * VB) % 32;
+        for (int i = 0; i < TPL; ++i) {
+            const int t = vt0 + i;
+            if (t >= T_total) break;
+            const int tk = tl * TPL + i;
+            const int pos = (tk % 8) * 32 + tk / 8;
+            float p[M];
+            KV_UNROLL for (int m = 0; m < M; ++m) p[m] = sc[m * TILE + pos];
+            if (t < nv) {
+                const long row = (long)bh * vcap + t;
+                const unsigned int w0 = vc[row * VWROW + vwi];
+                const unsigned int w1 = (VB == 8) ? vc[row * VWROW + vwi + 1] : 0u;
+                const float sv = static_cast<float>(vs[row * VGROW + c0 / G]);
+                const float zv = static_cast<float>(vz[row * VGROW + c0 / G]);
+                float ps[M];
+                KV_UNROLL for (int m = 0; m < M; ++m) {
+                    ps[m] = p[m] * sv;
+                    zacc[m] += p[m] * zv;
+                }
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
+                    const int bit = j * VB;
+                    const unsigned int code = ((bit < 32) ? (w0 >> (vsh + bit)) : (w1 >> (bit - 32))) & VMASK;
+                    const float cf = CODE_TO_FLOAT(code);
+                    KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
+                }
+            } else {
+                const long base = ((long)bh * trv + (t - nv)) * D + c0;
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
+                    const float x = static_cast<float>(vr[base + j]);
+                    KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += p[m] * x;
+                }
+            }
+        }
+        KV_BARRIER();
+    }
+
+    // ---- reduce the token lanes: inside a warp by shuffles, across warps in turn through shared memory
+    KV_UNROLL for (int m = 0; m < M; ++m) {
+        float z = zacc[m];
+        for (int off = CG; off < 32; off *= 2) z += SHFL_XOR(z, off);
+        KV_UNROLL for (int j = 0; j < 8; ++j) {
+            float x = acc[m][j];
+            for (int off = CG; off < 32; off *= 2) x += SHFL_XOR(x, off);
+            acc[m][j] = x + z;
+        }
+    }
+    for (int w = 0; w < NW; ++w) {
+        if (warp == w && lane < CG) {
+            KV_UNROLL for (int m = 0; m < M; ++m) {
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
+                    const int idx = m * D + c0 + j;
+                    red[idx] = (w == 0 ? 0.0f : red[idx]) + acc[m][j];
+                }
+            }
+        }
+        KV_BARRIER();
+    }
+    const long out_base = ((long)bh * nb + blk) * M;
+    for (int i = tid; i < M * D; i += NT) o_part[out_base * D + i] = red[i];
+    if (tid < M) {
+        stats[(out_base + tid) * 2] = run_max[tid];
+        stats[(out_base + tid) * 2 + 1] = run_sum[tid];
+    }
+"""
+
+# Combine the blocks of each (batch, head) row: one thread per output element.
+_COMBINE_BODY = """
+    const int nb = dims[7];
+    const long total = (long)dims[8] * M * D;
+    if (gid >= total) return;
+    const int d = gid % D;
+    const long bm = gid / D;
+    const long bh = bm / M;
+    const int m = bm % M;
+    float gmax = NEG_INF;
+    for (int c = 0; c < nb; ++c) gmax = FMAX(gmax, stats[((bh * nb + c) * M + m) * 2]);
+    float num = 0.0f;
+    float den = 0.0f;
+    for (int c = 0; c < nb; ++c) {
+        const float mc = stats[((bh * nb + c) * M + m) * 2];
+        if (mc == NEG_INF) continue;
+        const float w = EXP2(mc - gmax);
+        num += w * o_part[((bh * nb + c) * M + m) * D + d];
+        den += w * stats[((bh * nb + c) * M + m) * 2 + 1];
+    }
+    out[gid] = static_cast<T>(num / den);
+"""
+
+CUDA_HEADER = """
+#define KV_SHARED __shared__
+#define KV_BARRIER() __syncthreads()
+#define SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define EXP2 exp2f
+#define FMAX fmaxf
+#define NEG_INF (-__int_as_float(0x7f800000))
+#define KV_UNROLL _Pragma("unroll")
+#define KV_DEVICE
+// an integer below 2^23 as float without a conversion instruction (I2F issues at a fraction of the
+// FMA rate): OR it into the mantissa of 2^23, then subtract 2^23; exact
+#define CODE_TO_FLOAT(u) (__uint_as_float(0x4B000000u | (u)) - 8388608.0f)
+"""
+CUDA_ATTN_SOURCE = "const int tid = threadIdx.x; const int blk = blockIdx.x; const long bh = blockIdx.y;\n" + _ATTN_BODY
+CUDA_COMBINE_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;\n" + _COMBINE_BODY
+
+# Metal: simdgroups of 32 threads stand in for warps. UNTESTED here (no Apple GPU on these
+# machines); the body is the CUDA one, only these macros differ, and the dispatch self-tests it
+# on first use and falls back to the reference if it fails.
+METAL_HEADER = """
+#define KV_SHARED threadgroup
+#define KV_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define SHFL_XOR(v, m) simd_shuffle_xor((v), (ushort)(m))
+#define EXP2 metal::exp2
+#define FMAX metal::fmax
+#define NEG_INF (-INFINITY)
+#define KV_UNROLL _Pragma("clang loop unroll(full)")
+#define KV_DEVICE device
+#define CODE_TO_FLOAT(u) (as_type<float>(0x4B000000u | (u)) - 8388608.0f)
+"""
+METAL_ATTN_SOURCE = (
+    "const int tid = (int)thread_position_in_threadgroup.x; const int blk = (int)threadgroup_position_in_grid.x;"
+    " const long bh = (long)threadgroup_position_in_grid.y;\n" + _ATTN_BODY
+)
+METAL_COMBINE_SOURCE = "const long gid = (long)thread_position_in_grid.x;\n" + _COMBINE_BODY
+
+_ATTN_INPUTS = ["q", "kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "dims", "params"]
+_kernels: dict[tuple[str, str], object] = {}
+
+
+def _kernel(which: str, backend: str):
+    key = (which, backend)
+    if key not in _kernels:
+        if which == "attn":
+            name, inputs, outputs = "kivi_decode_attention", _ATTN_INPUTS, ["o_part", "stats"]
+            source = CUDA_ATTN_SOURCE if backend == "cuda" else METAL_ATTN_SOURCE
+        else:
+            name, inputs, outputs = "kivi_decode_combine", ["o_part", "stats", "dims"], ["out"]
+            source = CUDA_COMBINE_SOURCE if backend == "cuda" else METAL_COMBINE_SOURCE
+        header = CUDA_HEADER if backend == "cuda" else METAL_HEADER
+        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
+        names = dict(name=f"{name}_{zlib.crc32((header + source).encode()):08x}", input_names=inputs, output_names=outputs)
+        make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+        _kernels[key] = make(**names, source=source, header=header)
+    return _kernels[key]
+
+
+def default_tiles_per_block(n_tiles: int, rows: int) -> int:
+    """About 256+ blocks (two per SM of an H200): 4 tiles per block at 32k x 8 heads, the fastest
+    of 1/2/4/8 measured there; fewer partial outputs to combine."""
+    return max(1, (n_tiles * rows) // 256)
+
+
+_params_cache: dict[float, mx.array] = {}
+
+
+def _params(scale: float) -> mx.array:
+    # one small array per softmax scale, not one per call (decode calls this per layer per step)
+    if scale not in _params_cache:
+        _params_cache[scale] = mx.array([scale * math.log2(math.e)], dtype=mx.float32)
+    return _params_cache[scale]
+
+
+def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
+                           key_bits: int, value_bits: int, group_size: int, backend: str = "cuda",
+                           tiles_per_block: int | None = None) -> mx.array:
+    """The fused kernel; same contract as `decode_attention_reference` for supported inputs."""
+    B, n_q, L, D = queries.shape
+    n_kv = keys.residual.shape[1]
+    M = n_q // n_kv * L
+    dtype = queries.dtype
+    rows = B * n_kv
+    T = keys.n_packed + keys.residual.shape[2]
+    n_tiles = -(-T // TILE)
+    tpb = tiles_per_block or default_tiles_per_block(n_tiles, rows)
+    nb = -(-n_tiles // tpb)
+
+    def dummy(dt):
+        return mx.zeros((1,), dtype=dt)
+
+    if keys.n_packed:
+        kc, ks, kz = keys.packed
+        kwrow, kgrow = kc.shape[-1], ks.shape[-1]
+    else:
+        kc, ks, kz, kwrow, kgrow = dummy(mx.uint32), dummy(dtype), dummy(dtype), 0, 0
+    if values.n_packed:
+        vc, vs, vz = values.packed
+        vcap = vc.shape[-2]
+    else:
+        vc, vs, vz, vcap = dummy(mx.uint32), dummy(dtype), dummy(dtype), 0
+    kr = keys.residual if keys.residual.shape[2] else dummy(dtype)
+    vr = values.residual if values.residual.shape[2] else dummy(dtype)
+    q = queries.reshape(B, n_kv, M, D)  # rows rep-major: row m is query position m % L
+    dims = mx.array([T, keys.n_packed, values.n_packed, tpb, kwrow, kgrow, vcap, nb, rows], dtype=mx.int32)
+    params = _params(scale)
+    template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
+                ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
+    o_part, stats = _kernel("attn", backend)(
+        inputs=[q, kc, ks, kz, kr, vc, vs, vz, vr, dims, params],
+        template=template,
+        grid=(nb * THREADS, rows, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, nb, M, D), (rows, nb, M, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    total = rows * M * D
+    threads = 256
+    (out,) = _kernel("combine", backend)(
+        inputs=[o_part, stats, dims],
+        template=[("T", dtype), ("D", D), ("M", M)],
+        grid=(-(-total // threads) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(rows, M, D)],
+        output_dtypes=[dtype],
+    )
+    return out.reshape(B, n_q, L, D)
+
+
+def fused_supported(queries, keys: PackedSide, values: PackedSide, mask, key_bits: int, value_bits: int) -> bool:
+    """Whether the fused kernel covers this call (see module docstring)."""
+    B, n_q, L, D = queries.shape
+    n_kv = keys.residual.shape[1]
+    dtypes = {queries.dtype, keys.residual.dtype, values.residual.dtype}
+    if keys.packed is not None:
+        dtypes.add(keys.packed[1].dtype)
+    if values.packed is not None:
+        dtypes.add(values.packed[1].dtype)
+    return (
+        key_bits in FUSED_BITS and value_bits in FUSED_BITS
+        and D % 32 == 0 and D <= 256
+        and n_q // n_kv * L <= MAX_ROWS
+        and (mask is None or (isinstance(mask, str) and mask == "causal"))
+        and len(dtypes) == 1 and queries.dtype in (mx.float16, mx.bfloat16, mx.float32)
+        and keys.n_packed % 8 == 0
+        and (keys.n_packed > 0 or values.n_packed > 0)
+    )
+
+
+def random_case(key_bits: int, value_bits: int, group_size: int, D: int, M: int, L: int, dtype, seed: int = 0,
+                T: int = 700, n_k: int = 640, n_v: int = 572, heads: int = 2):
+    """A random decode problem with codes from the reference quantizer: (queries, keys, values).
+
+    Used by the self-test, the tests and the benchmark; the defaults span three tiles, a boundary
+    inside a tile for both sides, and value codes fewer than key codes (the paper's policy)."""
+    from .kivi_quant import quantize_pack_reference
+
+    rep = M // L
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    k = mx.random.normal((1, heads, T, D), key=k1).astype(dtype)
+    v = mx.random.normal((1, heads, T, D), key=k2).astype(dtype)
+    q = mx.random.normal((1, heads * rep, L, D), key=k3).astype(dtype)
+    kp = quantize_pack_reference(k[:, :, :n_k], key_bits, group_size, per_channel=True) if n_k else None
+    vp = quantize_pack_reference(v[:, :, :n_v], value_bits, group_size, per_channel=False) if n_v else None
+    return q, PackedSide(kp, n_k, k[:, :, n_k:]), PackedSide(vp, n_v, v[:, :, n_v:])
+
+
+# float32 accumulation everywhere; the gap to the reference is the reference's own rounding
+_SELFTEST_TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
+
+
+def _selftest(backend: str, dtype, variant: tuple) -> None:
+    key_bits, value_bits, group_size, D, M, L, causal = variant
+    q, keys, values = random_case(key_bits, value_bits, group_size, D, M, L, dtype, seed=1)
+    mask = "causal" if causal else None
+    got = decode_attention_fused(q, keys, values, D**-0.5, causal, key_bits, value_bits, group_size, backend,
+                                 tiles_per_block=2)
+    with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
+        want = decode_attention_reference(q.astype(mx.float32), _as_f32(keys), _as_f32(values), D**-0.5, mask,
+                                          key_bits, value_bits, group_size)
+        mx.eval(want)
+    dispatch.assert_close(got, want, _SELFTEST_TOLERANCE[dtype], "kivi_decode_attention self-test")
+
+
+def _as_f32(side: PackedSide) -> PackedSide:
+    packed = None if side.packed is None else (side.packed[0], *(a.astype(mx.float32) for a in side.packed[1:]))
+    return PackedSide(packed, side.n_packed, side.residual.astype(mx.float32))
+
+
+def decode_attention(queries, keys: PackedSide, values: PackedSide, scale: float, mask,
+                     key_bits: int, value_bits: int, group_size: int) -> mx.array:
+    """KIVI attention on codes: the fused kernel where it applies and passes its self-test, else the reference."""
+    if fused_supported(queries, keys, values, mask, key_bits, value_bits):
+        B, n_q, L, D = queries.shape
+        M = n_q // keys.residual.shape[1] * L
+        causal = mask is not None and L > 1
+        variant = (key_bits, value_bits, group_size, D, M, L, causal)
+        backend = dispatch.select("kivi_decode_attention", queries.dtype, variant,
+                                  lambda b: _selftest(b, queries.dtype, variant))
+        if backend is not None:
+            return decode_attention_fused(queries, keys, values, scale, causal, key_bits, value_bits, group_size, backend)
+    else:
+        dispatch.record_reference("kivi_decode_attention", queries.dtype)
+    return decode_attention_reference(queries, keys, values, scale, mask, key_bits, value_bits, group_size)

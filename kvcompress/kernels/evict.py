@@ -18,7 +18,8 @@ Implementations of the same function, side by side:
   FMAs: that keeps the rotation bit-identical to MLX's separate multiply/subtract kernels. The CUDA
   path is checked bit-exact on an H200 (benchmarks/evict_gpu.py); the Metal path cannot run on
   these machines (no Apple GPU) and is untested.
-`evict_one` dispatches by the default device's back-end.
+`evict_one` goes through kvcompress/kernels/dispatch.py: on first use per (backend, dtype, variant)
+the fused kernel must match the reference bit for bit on a small problem, else the reference runs.
 
 Argmin ties resolve to the lowest index everywhere (as `mx.argmin`).
 """
@@ -26,6 +27,8 @@ Argmin ties resolve to the lowest index everywhere (as `mx.argmin`).
 from __future__ import annotations
 
 import mlx.core as mx
+
+from . import dispatch
 
 # ---------------------------------------------------------------------------------------------
 # MLX reference
@@ -268,19 +271,28 @@ def evict_one_fused(
     return tuple(outs)
 
 
-def backend() -> str:
-    """'cuda', 'metal' or 'cpu': which implementation `evict_one` runs on the default device."""
-    if mx.default_device() == mx.gpu:
-        if mx.cuda.is_available():
-            return "cuda"
-        if mx.metal.is_available():
-            return "metal"
-    return "cpu"
+def _selftest(backend: str, dtype, compact: bool, traditional: bool) -> None:
+    """Bit-exact check of the fused kernel against the reference on a small random problem with
+    score ties (the lowest-index rule) and 72-byte rows (the scalar copy path) besides 128-byte ones."""
+    for R, n, D in ((3, 77, 36), (4, 300, 64)):
+        k1, k2, k3 = mx.random.split(mx.random.key(n), 3)
+        keys = mx.random.normal((R, n, D), key=k1).astype(dtype)
+        values = mx.random.normal((R, n, D), key=k2).astype(dtype)
+        scores = mx.floor(mx.random.uniform(shape=(R, n), key=k3) * 8)  # ties
+        positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32) * 3, (R, n))
+        rotation = None
+        if compact:
+            theta = 10000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)
+            rotation = (mx.cos(theta), mx.sin(theta))
+        args = (keys, values, scores, positions, scores, 2, 5, rotation, traditional)
+        dispatch.assert_equal(evict_one_fused(*args, backend=backend), evict_one_reference(*args), "evict_one self-test")
 
 
 def evict_one(keys, values, scores, positions, evict_by, n_sink, recent, rotation=None, traditional=False):
-    """Decode-step eviction on the fastest implementation for the default device (see module doc)."""
-    which = backend()
-    if which == "cpu":
+    """Decode-step eviction: the fused kernel where it passed its self-test on this machine, else the
+    MLX reference (kvcompress/kernels/dispatch.py; KVCOMPRESS_KERNELS forces either)."""
+    variant = (rotation is not None, bool(traditional))
+    backend = dispatch.select("evict_one", keys.dtype, variant, lambda b: _selftest(b, keys.dtype, *variant))
+    if backend is None:
         return evict_one_reference(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional)
-    return evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional, which)
+    return evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional, backend)

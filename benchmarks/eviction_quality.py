@@ -3,7 +3,7 @@
 Runs the runner (shared full prefill, teacher-forced decode with per-step KL, free-running answer)
 on embedded NIAH (single needle) samples; each record is appended to a JSONL file as it finishes
 (rerun to resume), then summarised: mean score with a 95% Wilson interval, the full cache's score
-on the same samples, the paired difference to it with a 95% normal interval over samples, and the
+on the same samples, the paired difference to it with a 95% normal interval over samples (clipped to [-1, 1]), and the
 mean KL(full || method) over decode steps.
 
     .venv/bin/python benchmarks/eviction_quality.py OUT.jsonl [--samples N] [--context T] [--steps S]
@@ -87,7 +87,8 @@ def summary(out):
         half = 1.96 * sd / math.sqrt(n)
         lo, hi = wilson(score, n)
         kl = sum(runs[i]["kl_mean"] for i in ids) / n
-        print(f"| {cell} | {n} | {score:.2f} | [{lo:.2f}, {hi:.2f}] | {ceiling:.2f} | {mean:+.2f} | [{mean - half:+.2f}, {mean + half:+.2f}] | {kl:.4f} |")
+        d_lo, d_hi = max(-1.0, mean - half), min(1.0, mean + half)  # a difference of scores in [0, 1]
+        print(f"| {cell} | {n} | {score:.2f} | [{lo:.2f}, {hi:.2f}] | {ceiling:.2f} | {mean:+.2f} | [{d_lo:+.2f}, {d_hi:+.2f}] | {kl:.4f} |")
     if errors:
         print(f"\n{len(errors)} runs not ok, e.g. {errors[0]['cell']}: {errors[0]['error'][:200]}")
 

@@ -4,7 +4,7 @@ from . import _blas
 
 _blas.preload()  # must run before mlx.core is imported anywhere below
 
-from .api import load_dataset, load_model, make_cache  # noqa: E402
+from .api import load_dataset, load_model, load_prompt_cache, make_cache  # noqa: E402
 from .methods import ConfigError, method_config, methods  # noqa: E402
 
-__all__ = ["ConfigError", "load_dataset", "load_model", "make_cache", "method_config", "methods"]
+__all__ = ["ConfigError", "load_dataset", "load_model", "load_prompt_cache", "make_cache", "method_config", "methods"]

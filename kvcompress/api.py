@@ -8,14 +8,36 @@ from . import attention
 from .methods import method_config
 
 
-def make_cache(model, method: str = "full", **params: Any) -> list:
+def make_cache(model, method: str = "full", max_tokens: int | None = None, **params: Any) -> list:
     """An mlx-lm prompt cache for `model` compressed by `method` (see `kvcompress.methods()`).
 
     Usable as `mlx_lm.stream_generate(model, tokenizer, prompt, prompt_cache=make_cache(...))`.
     Installs the attention hook so caches that attend themselves (Keyformer, KIVI) are called.
+    `max_tokens`: the tokens you will generate, for methods that schedule over them (Keyformer's tau).
     """
     attention.install()
-    return method_config(method, **params).make_cache(model)
+    config = method_config(method, **params)
+    if max_tokens is not None:
+        config = config.for_run(max_tokens)
+    return config.make_cache(model)
+
+
+def load_prompt_cache(path: str, model=None, return_metadata: bool = False):
+    """mlx-lm's `load_prompt_cache`, for kvcompress caches too.
+
+    mlx-lm restores caches by class name from `mlx_lm.models.cache` only; importing
+    `kvcompress.methods` registers kvcompress's cache classes there, so mlx-lm's own loader works
+    after `import kvcompress`. A RoPE module cannot be saved: given `model`, eviction caches get
+    their layer's back (compact-position caches need it for a multi-token call after loading).
+    """
+    from mlx_lm.models.cache import load_prompt_cache as mlx_load
+
+    cache, metadata = mlx_load(path, return_metadata=True)
+    if model is not None:
+        for layer, c in zip(model.layers, cache):
+            if hasattr(c, "rope"):
+                c.rope = layer.self_attn.rope
+    return (cache, metadata) if return_metadata else cache
 
 
 def load_model(name_or_path: str = "smollm2-135m"):

@@ -36,5 +36,14 @@ def live_kv_bytes(prompt_cache: list) -> int:
 
 
 def tokens_kept(prompt_cache: list) -> int:
-    """Tokens held by the first layer (every method here keeps the same count in every layer)."""
-    return layer_tokens_kept(prompt_cache[0])
+    """Tokens held per layer, the mean over layers (layer-wise budgets differ by layer), rounded."""
+    return round(sum(layer_tokens_kept(c) for c in prompt_cache) / len(prompt_cache))
+
+
+def budget_tokens(prompt_cache: list) -> float | None:
+    """The budget each layer resolved to for this prompt, mean over layers; None for methods
+    without a token budget (their caches have no `capacity`)."""
+    capacities = [getattr(c, "capacity", None) for c in prompt_cache]
+    if any(c is None for c in capacities):
+        return None
+    return sum(capacities) / len(capacities)

@@ -43,6 +43,7 @@ RUNS_SCHEMA = pa.schema(
         ("context_tokens", pa.int64()),  # the configured context length (the grouping key)
         ("prompt_tokens", pa.int64()),  # tokens actually fed to the model
         ("budget", pa.float64()),  # as configured: tokens, or a fraction of the prompt
+        ("budget_tokens", pa.float64()),  # the budget resolved for this prompt (mean over layers)
         ("bits", pa.float64()),
         ("tau_init", pa.float64()),
         ("tau_end", pa.float64()),

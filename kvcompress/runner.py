@@ -39,7 +39,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import attention, datasets
 from .evidence import layer_rows as evidence_rows
-from .memory import live_kv_bytes, tokens_kept
+from .memory import budget_tokens, live_kv_bytes, tokens_kept
 from .methods.base import Method
 from .metrics import step_metrics
 from .results import run_id
@@ -335,9 +335,10 @@ def run_sample(
         for protocol, method in todo:
             base = None
             if protocol == "query_agnostic" and shared is not None:
-                if method.to_json() not in compressed:
-                    compressed[method.to_json()] = compress_context(model, method, ref)
-                base = compressed[method.to_json()]
+                as_run = method.for_run(ref.steps)  # Keyformer's tau schedule depends on the answer length
+                if as_run.to_json() not in compressed:
+                    compressed[as_run.to_json()] = compress_context(model, as_run, ref)
+                base = compressed[as_run.to_json()]
             record = run_method(model, tokenizer, one, method, context, ref, protocol, base)
             records.append(record)
             if on_record is not None:
@@ -401,8 +402,10 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         baseline = mx.get_active_memory()  # weights, the shared full caches and reference logits
         mx.reset_peak_memory()
         start = time.perf_counter()
-        caches, first_logits = compress(model, method, ref, protocol, base)
+        # Keyformer anneals tau over the tokens this run generates (not part of the run id)
+        caches, first_logits = compress(model, method.for_run(ref.steps), ref, protocol, base)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
+        row["budget_tokens"] = budget_tokens(caches)
         full_kv = [c.keys_and_values() for c in ref.prefilled]
         evidence = evidence_rows(caches, full_kv, ref.evidence, "compressed")
         # the free-running answer starts from the same compressed prompt: copy it, do not re-derive

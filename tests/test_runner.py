@@ -169,3 +169,17 @@ def test_several_questions_on_one_context_share_one_compression_per_method(embed
                                                   protocols=("query_aware", "query_agnostic"))]
     assert [r.run["prediction"] for r in together] == [r.run["prediction"] for r in alone]
     assert [r.run["run_id"] for r in together] == [r.run["run_id"] for r in alone]
+
+
+def test_budget_keeps_its_unit_one_token_is_not_the_whole_prompt(embedded):
+    model, tokenizer = embedded
+    params = {"context_tokens": 256, "continuation_tokens": 4, "num_samples": 1, "seed": 3}
+    sample = load_dataset("lm", tokenizer=tokenizer, **params)[0]
+    methods = [method_config("full"), method_config("knorm", budget=1), method_config("knorm", budget=1.0),
+               method_config("pyramidkv", budget=0.5)]
+    full, one, whole, pyramid = run_sample(model, tokenizer, sample, methods, context_for("lm", params, 2))
+    assert (one.run["budget"], one.run["budget_tokens"]) == (1.0, 1.0)
+    assert (whole.run["budget"], whole.run["budget_tokens"]) == (1.0, whole.run["prompt_tokens"])
+    assert one.run["config_label"] == "knorm budget=1" and whole.run["config_label"] == "knorm budget=1.0"
+    assert full.run["budget"] is None and full.run["budget_tokens"] is None
+    assert pyramid.run["budget_tokens"] == round(0.5 * pyramid.run["prompt_tokens"])  # mean over layers

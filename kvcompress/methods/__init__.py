@@ -7,13 +7,23 @@ from dataclasses import fields
 from typing import Any
 
 from .base import CompressedCache, ConfigError, Method
+from .adakv import AdaKV
 from .full import Full
-from .keyformer import H2O, Keyformer
+from .h2o import H2O
+from .keyformer import Keyformer
 from .kivi import Kivi
+from .knorm import KNorm
 from .mlx_quant import MlxQuant
+from .pyramidkv import PyramidKV
+from .random_floor import Random
+from .snapkv import SnapKV
 from .streaming import Streaming
+from .tova import TOVA
 
-REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (Full, H2O, Keyformer, Kivi, MlxQuant, Streaming)}
+REGISTRY: dict[str, type[Method]] = {
+    cls.name: cls
+    for cls in (Full, MlxQuant, Kivi, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm, Random)
+}
 
 
 def method_config(name: str, **params: Any) -> Method:

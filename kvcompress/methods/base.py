@@ -50,6 +50,11 @@ class Method:
         """One cache per transformer layer, usable as mlx-lm's `prompt_cache`."""
         raise NotImplementedError
 
+    def for_run(self, generated_tokens: int) -> "Method":
+        """This config for a run that generates `generated_tokens` tokens (Keyformer anneals tau
+        over them). Not part of the run id: the run's decode steps already are."""
+        return self
+
     GRID_COLUMNS: ClassVar[tuple[str, ...]] = ("budget", "bits", "tau_init", "tau_end")
 
     def grid_columns(self) -> dict[str, float | None]:

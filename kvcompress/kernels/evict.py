@@ -1,21 +1,25 @@
-"""Keyformer's decode-step eviction: drop one token per row, compact, optionally re-rotate.
+"""Decode-step eviction for every eviction method: drop one token per row, compact, optionally re-rotate.
 
 After a decode step each row (one (batch, KV head) pair) holds `capacity + 1` tokens in temporal
-order. Eviction picks, per row, the unprotected token with the smallest eviction score (Keyformer,
-Adnan et al., MLSys 2024, Sec. 3.3: the k - w key tokens are the highest-scoring ones outside the
-recent window w; we additionally never evict the first `n_sink` tokens), removes it and shifts the
-later tokens down one slot. In compact-position mode (StreamingLLM-style) the shifted keys also move
-one RoPE position back, i.e. are rotated by -1: k' = R(-theta) k per frequency pair.
+order. Eviction picks, per row, the unprotected slot with the smallest eviction score -- whatever
+the method's score is (accumulated attention for H2O / Keyformer, the current attention for TOVA,
+a key norm, a position, ...): the kernel only ranks `evict_by` -- removes it and shifts the later
+tokens down one slot. The first `n_sink` and the last `recent` slots are never evicted. In
+compact-position mode (StreamingLLM-style) the shifted keys also move one RoPE position back, i.e.
+are rotated by -1: k' = R(-theta) k per frequency pair.
 
-Three implementations of the same function live here, side by side:
+Implementations of the same function, side by side:
 - `evict_one_reference`: plain MLX ops, used on CPU and as the ground truth.
-- `CUDA_SOURCE`: one fused kernel for `mx.fast.cuda_kernel`. Each block recomputes its row's argmin
-  (n floats, cheap) and then copies its slice of the row, so a row's copy spreads over many SMs.
-  Products and sums use `__fmul_rn`/`__fadd_rn` so NVRTC cannot contract them into FMAs: that keeps
-  the rotation bit-identical to MLX's separate multiply/subtract kernels.
-- `METAL_SOURCE`: the same algorithm for `mx.fast.metal_kernel`. It cannot run on these machines
-  (no Apple GPU); it is kept line-for-line parallel to the CUDA source and is untested.
-`evict_one` dispatches by the default device's back-end.
+- one kernel body (`_BODY`) for `mx.fast.cuda_kernel` and `mx.fast.metal_kernel`, behind a small
+  per-backend header of macros (indices, shared memory, barrier, unfused float products), as KIVI's
+  kernels. Each block recomputes its row's argmin (n floats, cheap) and then copies its slice of
+  the row, so a row's copy spreads over many SMs. Products and sums are rounded separately (CUDA
+  `__fmul_rn`/`__fadd_rn`, Metal `precise::fma(x, y, 0)`) so the compiler cannot contract them into
+  FMAs: that keeps the rotation bit-identical to MLX's separate multiply/subtract kernels. The CUDA
+  path is checked bit-exact on an H200 (benchmarks/evict_gpu.py); the Metal path cannot run on
+  these machines (no Apple GPU) and is untested.
+`evict_one` goes through kvcompress/kernels/dispatch.py: on first use per (backend, dtype, variant)
+the fused kernel must match the reference bit for bit on a small problem, else the reference runs.
 
 Argmin ties resolve to the lowest index everywhere (as `mx.argmin`).
 """
@@ -23,6 +27,8 @@ Argmin ties resolve to the lowest index everywhere (as `mx.argmin`).
 from __future__ import annotations
 
 import mlx.core as mx
+
+from . import dispatch
 
 # ---------------------------------------------------------------------------------------------
 # MLX reference
@@ -85,115 +91,20 @@ def evict_one_reference(keys, values, scores, positions, evict_by, n_sink, recen
 
 
 # ---------------------------------------------------------------------------------------------
-# Fused kernels. Grid: (blocks_per_row * THREADS, R, 1) threads, threadgroup (THREADS, 1, 1).
-# Template constants: T (key/value dtype), N_SINK, RECENT, COMPACT, TRADITIONAL, HALF (dims / 2).
+# Fused kernel. Grid: (blocks_per_row * THREADS, R, 1) threads, threadgroup (THREADS, 1, 1).
+# Template constants: T (key/value dtype), N_SINK, RECENT, COMPACT, TRADITIONAL, HALF (dims / 2),
+# VEC (a token's row is a multiple of 16 bytes: copy in 16-byte vectors).
 
 THREADS = 256
 
-CUDA_SOURCE = """
-    const int row = blockIdx.y;
+_BODY = """
     const int n = scores_shape[1];
     const int D = keys_shape[2];
-    const int tid = threadIdx.x;
-    __shared__ float best_value[256];
-    __shared__ int best_index[256];
+    SHARED float best_value[256];
+    SHARED int best_index[256];
 
     // 1. argmin over the evictable slots [N_SINK, n - RECENT) of this row (ties: lowest index)
-    float value = __int_as_float(0x7f800000);  // +inf
-    int index = n;
-    for (int i = N_SINK + tid; i < n - RECENT; i += blockDim.x) {
-        float v = evict_by[row * n + i];
-        if (v < value) { value = v; index = i; }
-    }
-    best_value[tid] = value;
-    best_index[tid] = index;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-        if (tid < stride) {
-            float v = best_value[tid + stride];
-            int i = best_index[tid + stride];
-            if (v < best_value[tid] || (v == best_value[tid] && i < best_index[tid])) {
-                best_value[tid] = v;
-                best_index[tid] = i;
-            }
-        }
-        __syncthreads();
-    }
-    const int evicted = best_index[0];
-    if (blockIdx.x == 0 && tid == 0) { evicted_out[row] = evicted; }
-
-    // 2. compaction of this block's share of output slots [first, last) of [0, n - 1):
-    //    segment A [first, min(last, evicted)) copies the same slots, segment B
-    //    [max(first, evicted), last) copies the next slot (and, compact mode, rotates its key)
-    const int m = n - 1;
-    const int per_block = (m + gridDim.x - 1) / gridDim.x;
-    const int first = blockIdx.x * per_block;
-    const int last = min(m, first + per_block);
-    const int a_end = min(last, evicted);
-    const int b_start = max(first, evicted);
-    for (int i = first + tid; i < last; i += blockDim.x) {
-        int src = i + (i >= evicted ? 1 : 0);
-        scores_out[row * m + i] = scores[row * n + src];
-        positions_out[row * m + i] = positions[row * n + src];
-    }
-    const size_t row_in = (size_t)row * n * D;
-    const size_t row_out = (size_t)row * m * D;
-    // plain copies in 16-byte vectors when a token's row is a multiple of 16 bytes (VEC)
-    const int per = VEC ? D * (int)sizeof(T) / 16 : D;
-    if (VEC) {
-        const uint4* kv_in[2] = {(const uint4*)(values + row_in), (const uint4*)(keys + row_in)};
-        uint4* kv_out[2] = {(uint4*)(values_out + row_out), (uint4*)(keys_out + row_out)};
-        for (int which = 0; which < 2; ++which) {
-            for (int e = first * per + tid; e < a_end * per; e += blockDim.x) kv_out[which][e] = kv_in[which][e];
-            if (which == 1 && COMPACT) break;
-            for (int e = b_start * per + tid; e < last * per; e += blockDim.x) kv_out[which][e] = kv_in[which][e + per];
-        }
-    } else {
-        const T* kv_in[2] = {values + row_in, keys + row_in};
-        T* kv_out[2] = {values_out + row_out, keys_out + row_out};
-        for (int which = 0; which < 2; ++which) {
-            for (int e = first * D + tid; e < a_end * D; e += blockDim.x) kv_out[which][e] = kv_in[which][e];
-            if (which == 1 && COMPACT) break;
-            for (int e = b_start * D + tid; e < last * D; e += blockDim.x) kv_out[which][e] = kv_in[which][e + D];
-        }
-    }
-    if (COMPACT) {
-        // segment B keys move one RoPE position back: rotate by cos(theta), -sin(theta), with the
-        // products and sums rounded separately, in the order rotate_pairs uses
-        for (int e = b_start * D + tid; e < last * D; e += blockDim.x) {
-            int d = e % D;
-            size_t in_at = row_in + e + D;
-            T k = keys[in_at];
-            if (d < 2 * HALF) {
-                int f, partner;
-                bool first_half;
-                if (TRADITIONAL) { f = d / 2; first_half = (d % 2) == 0; partner = first_half ? d + 1 : d - 1; }
-                else { f = d % HALF; first_half = d < HALF; partner = first_half ? d + HALF : d - HALF; }
-                float c = cos_theta[f];
-                float s = -sin_theta[f];
-                float x = static_cast<float>(k);
-                float y = static_cast<float>(keys[in_at - d + partner]);
-                float r = first_half ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s))
-                                     : __fadd_rn(__fmul_rn(y, s), __fmul_rn(x, c));
-                k = static_cast<T>(r);
-            }
-            keys_out[row_out + e] = k;
-        }
-    }
-"""
-
-METAL_SOURCE = """
-    const int row = threadgroup_position_in_grid.y;
-    const int n = scores_shape[1];
-    const int D = keys_shape[2];
-    const int tid = thread_position_in_threadgroup.x;
-    const int threads = threads_per_threadgroup.x;
-    const int blocks = threadgroups_per_grid.x;
-    const int block = threadgroup_position_in_grid.x;
-    threadgroup float best_value[256];
-    threadgroup int best_index[256];
-
-    float value = INFINITY;
+    float value = INF;
     int index = n;
     for (int i = N_SINK + tid; i < n - RECENT; i += threads) {
         float v = evict_by[row * n + i];
@@ -201,7 +112,7 @@ METAL_SOURCE = """
     }
     best_value[tid] = value;
     best_index[tid] = index;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    BARRIER;
     for (int stride = threads / 2; stride > 0; stride /= 2) {
         if (tid < stride) {
             float v = best_value[tid + stride];
@@ -211,11 +122,14 @@ METAL_SOURCE = """
                 best_index[tid] = i;
             }
         }
-        threadgroup_barrier(mem_flags::mem_threadgroup);
+        BARRIER;
     }
     const int evicted = best_index[0];
     if (block == 0 && tid == 0) { evicted_out[row] = evicted; }
 
+    // 2. compaction of this block's share of output slots [first, last) of [0, n - 1):
+    //    segment A [first, min(last, evicted)) copies the same slots, segment B
+    //    [max(first, evicted), last) copies the next slot (and, compact mode, rotates its key)
     const int m = n - 1;
     const int per_block = (m + blocks - 1) / blocks;
     const int first = block * per_block;
@@ -229,12 +143,12 @@ METAL_SOURCE = """
     }
     const size_t row_in = (size_t)row * n * D;
     const size_t row_out = (size_t)row * m * D;
-    const int per = VEC ? D * (int)sizeof(T) / 16 : D;
     if (VEC) {
-        const device uint4* v_in = (const device uint4*)(values + row_in);
-        const device uint4* k_in = (const device uint4*)(keys + row_in);
-        device uint4* v_out = (device uint4*)(values_out + row_out);
-        device uint4* k_out = (device uint4*)(keys_out + row_out);
+        const int per = D * (int)sizeof(T) / 16;
+        const GLOBAL uint4* v_in = (const GLOBAL uint4*)(values + row_in);
+        const GLOBAL uint4* k_in = (const GLOBAL uint4*)(keys + row_in);
+        GLOBAL uint4* v_out = (GLOBAL uint4*)(values_out + row_out);
+        GLOBAL uint4* k_out = (GLOBAL uint4*)(keys_out + row_out);
         for (int e = first * per + tid; e < a_end * per; e += threads) { v_out[e] = v_in[e]; k_out[e] = k_in[e]; }
         for (int e = b_start * per + tid; e < last * per; e += threads) {
             v_out[e] = v_in[e + per];
@@ -251,6 +165,8 @@ METAL_SOURCE = """
         }
     }
     if (COMPACT) {
+        // segment B keys move one RoPE position back: rotate by cos(theta), -sin(theta), with the
+        // products and sums rounded separately, in the order rotate_pairs uses
         for (int e = b_start * D + tid; e < last * D; e += threads) {
             int d = e % D;
             size_t in_at = row_in + e + D;
@@ -264,15 +180,47 @@ METAL_SOURCE = """
                 float s = -sin_theta[f];
                 float x = static_cast<float>(k);
                 float y = static_cast<float>(keys[in_at - d + partner]);
-                // precise:: keeps the products unfused, as the CUDA __fmul_rn path
-                float r = first_half ? (precise::fma(x, c, 0.0f) - precise::fma(y, s, 0.0f))
-                                     : (precise::fma(y, s, 0.0f) + precise::fma(x, c, 0.0f));
+                float r = first_half ? FSUB(FMUL(x, c), FMUL(y, s)) : FADD(FMUL(y, s), FMUL(x, c));
                 k = static_cast<T>(r);
             }
             keys_out[row_out + e] = k;
         }
     }
 """
+
+CUDA_HEADER = """
+#define SHARED __shared__
+#define BARRIER __syncthreads()
+#define GLOBAL
+#define INF __int_as_float(0x7f800000)
+#define FMUL(a, b) __fmul_rn((a), (b))
+#define FADD(a, b) __fadd_rn((a), (b))
+#define FSUB(a, b) __fsub_rn((a), (b))
+"""
+CUDA_SOURCE = """
+    const int row = blockIdx.y;
+    const int tid = threadIdx.x;
+    const int threads = blockDim.x;
+    const int blocks = gridDim.x;
+    const int block = blockIdx.x;
+""" + _BODY
+
+METAL_HEADER = """
+#define SHARED threadgroup
+#define BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)
+#define GLOBAL device
+#define INF INFINITY
+#define FMUL(a, b) metal::precise::fma((a), (b), 0.0f)
+#define FADD(a, b) ((a) + (b))
+#define FSUB(a, b) ((a) - (b))
+"""
+METAL_SOURCE = """
+    const int row = threadgroup_position_in_grid.y;
+    const int tid = thread_position_in_threadgroup.x;
+    const int threads = threads_per_threadgroup.x;
+    const int blocks = threadgroups_per_grid.x;
+    const int block = threadgroup_position_in_grid.x;
+""" + _BODY
 
 _INPUTS = ["keys", "values", "scores", "positions", "evict_by", "cos_theta", "sin_theta"]
 _OUTPUTS = ["keys_out", "values_out", "scores_out", "positions_out", "evicted_out"]
@@ -281,9 +229,11 @@ _kernels: dict[str, object] = {}
 
 def _kernel(backend: str):
     if backend not in _kernels:
-        make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-        source = CUDA_SOURCE if backend == "cuda" else METAL_SOURCE
-        _kernels[backend] = make(name="keyformer_evict_one", input_names=_INPUTS, output_names=_OUTPUTS, source=source)
+        names = dict(name="evict_one", input_names=_INPUTS, output_names=_OUTPUTS)
+        if backend == "cuda":
+            _kernels[backend] = mx.fast.cuda_kernel(**names, source=CUDA_SOURCE, header=CUDA_HEADER)
+        else:
+            _kernels[backend] = mx.fast.metal_kernel(**names, source=METAL_SOURCE, header=METAL_HEADER)
     return _kernels[backend]
 
 
@@ -321,19 +271,28 @@ def evict_one_fused(
     return tuple(outs)
 
 
-def backend() -> str:
-    """'cuda', 'metal' or 'cpu': which implementation `evict_one` runs on the default device."""
-    if mx.default_device() == mx.gpu:
-        if mx.cuda.is_available():
-            return "cuda"
-        if mx.metal.is_available():
-            return "metal"
-    return "cpu"
+def _selftest(backend: str, dtype, compact: bool, traditional: bool) -> None:
+    """Bit-exact check of the fused kernel against the reference on a small random problem with
+    score ties (the lowest-index rule) and 72-byte rows (the scalar copy path) besides 128-byte ones."""
+    for R, n, D in ((3, 77, 36), (4, 300, 64)):
+        k1, k2, k3 = mx.random.split(mx.random.key(n), 3)
+        keys = mx.random.normal((R, n, D), key=k1).astype(dtype)
+        values = mx.random.normal((R, n, D), key=k2).astype(dtype)
+        scores = mx.floor(mx.random.uniform(shape=(R, n), key=k3) * 8)  # ties
+        positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32) * 3, (R, n))
+        rotation = None
+        if compact:
+            theta = 10000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)
+            rotation = (mx.cos(theta), mx.sin(theta))
+        args = (keys, values, scores, positions, scores, 2, 5, rotation, traditional)
+        dispatch.assert_equal(evict_one_fused(*args, backend=backend), evict_one_reference(*args), "evict_one self-test")
 
 
 def evict_one(keys, values, scores, positions, evict_by, n_sink, recent, rotation=None, traditional=False):
-    """Decode-step eviction on the fastest implementation for the default device (see module doc)."""
-    which = backend()
-    if which == "cpu":
+    """Decode-step eviction: the fused kernel where it passed its self-test on this machine, else the
+    MLX reference (kvcompress/kernels/dispatch.py; KVCOMPRESS_KERNELS forces either)."""
+    variant = (rotation is not None, bool(traditional))
+    backend = dispatch.select("evict_one", keys.dtype, variant, lambda b: _selftest(b, keys.dtype, *variant))
+    if backend is None:
         return evict_one_reference(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional)
-    return evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional, which)
+    return evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional, backend)

@@ -1,23 +1,25 @@
-"""Keyformer decode-step eviction on a GPU: fused kernel vs MLX reference, bit-exactness and time.
+"""Decode-step eviction (every eviction method) on a GPU: fused kernel vs MLX reference, bit-exactness and time.
 
-Run on the lent H200 (imports only mlx and the kernel module, by file path):
-    python3 benchmarks/keyformer_gpu.py
+Run on the lent H200 (needs only mlx and mlx-lm):
+    source /tmp/mlx-cuda-env.sh && python3 benchmarks/evict_gpu.py
 Prints one table: per configuration, whether every output is bit-identical to the MLX reference,
 and the median time per step of each path at B*H_kv = 32, n = 8192, D = 128 (the issue's shape).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import os
 import pathlib
+import sys
 import time
 
-import mlx.core as mx
+os.environ.setdefault("KVCOMPRESS_BLAS", "reference")  # no OpenBLAS needed on the GPU machine
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-_path = pathlib.Path(__file__).resolve().parents[1] / "kvcompress" / "kernels" / "keyformer_evict.py"
-_spec = importlib.util.spec_from_file_location("keyformer_evict", _path)
-kernel = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kernel)
+import mlx.core as mx  # noqa: E402
+
+from kvcompress.kernels import dispatch  # noqa: E402
+from kvcompress.kernels import evict as kernel  # noqa: E402
 
 
 def one_step_rotation(dims: int, base: float):
@@ -56,7 +58,7 @@ def median_ms(fn, reps=50):
 
 
 def main():
-    print(f"device={mx.default_device()} backend={kernel.backend()}")
+    print(f"device={mx.default_device()} backend={dispatch.gpu_backend()}")
     print(f"{'R':>4} {'n':>6} {'D':>4} {'dtype':>8} {'mode':>8} {'ties':>5} {'bit_exact':>9} {'mlx_ms':>8} {'fused_ms':>8} {'speedup':>7} {'fused_GB/s':>10}")
     configs = [
         (3, 40, 64, mx.float32, False, True, 0, 2),
@@ -75,10 +77,10 @@ def main():
         args = (keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional)
         mx.eval(*[a for a in args[:5]])
         ref = kernel.evict_one_reference(*args)
-        fused = kernel.evict_one_fused(*args, backend=kernel.backend())
+        fused = kernel.evict_one_fused(*args, backend=dispatch.gpu_backend())
         exact = bit_exact(ref, fused)
         mlx_ms = median_ms(lambda: kernel.evict_one_reference(*args))
-        fused_ms = median_ms(lambda: kernel.evict_one_fused(*args, backend=kernel.backend()))
+        fused_ms = median_ms(lambda: kernel.evict_one_fused(*args, backend=dispatch.gpu_backend()))
         moved = 2 * (2 * keys.nbytes + scores.nbytes + positions.nbytes) + evict_by.nbytes  # read + write
         mode = "compact" if compact else "exact"
         print(
@@ -90,7 +92,7 @@ def main():
     args = (keys, values, scores, positions, evict_by, 4, 128, one_step_rotation(128, 500000.0), False)
     ref = kernel.evict_one_reference(*args)
     for blocks in (4, 8, 16, 32, 64):
-        run = lambda: kernel.evict_one_fused(*args, backend=kernel.backend(), blocks_per_row=blocks)  # noqa: E731
+        run = lambda: kernel.evict_one_fused(*args, backend=dispatch.gpu_backend(), blocks_per_row=blocks)  # noqa: E731
         print(f"  blocks_per_row={blocks:>3} bit_exact={bit_exact(ref, run())} fused_ms={median_ms(run):.3f}")
 
     print("\nwhole Keyformer decode step (append, attention, score update, eviction), B=1, H_kv=32, rep=4, D=128, float16")
@@ -101,30 +103,28 @@ def main():
 
 
 def full_cache_step():
-    import os
-    import sys
-
-    os.environ.setdefault("KVCOMPRESS_BLAS", "reference")  # no OpenBLAS needed on the GPU machine
-    sys.path.insert(0, str(_path.parents[2]))
     import mlx.nn as nn
 
-    from kvcompress.methods.keyformer import Keyformer, KeyformerCache
+    from kvcompress.methods.eviction import EvictionCache
+    from kvcompress.methods.keyformer import Keyformer
 
     H, rep, D = 32, 4, 128
     for n_kept in (2048, 8192):
         for positions in ("exact", "compact"):
             cfg = Keyformer(budget=n_kept, positions=positions)
-            cache = KeyformerCache(cfg, 0, H, D, nn.RoPE(D, base=500000.0), D**-0.5)
+            cache = EvictionCache(cfg, 0, 1, H, D, nn.RoPE(D, base=500000.0), D**-0.5)
             keys = mx.random.normal((H, n_kept, D)).astype(mx.float16)
-            cache.state = keys, keys, mx.random.uniform(shape=(H, n_kept)), mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (H, n_kept))
+            cache.keys = cache.values = keys
+            cache.scores = mx.random.uniform(shape=(H, n_kept))
+            cache.positions = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (H, n_kept))
             cache.batch, cache.position, cache.offset, cache.prompt_len = 1, n_kept, n_kept, n_kept
             cache.capacity, cache.recent = cfg.resolve(n_kept)
             k = mx.random.normal((1, H, 1, D)).astype(mx.float16)
             q = mx.random.normal((1, H * rep, 1, D)).astype(mx.float16)
 
             def step():
-                cache.update_and_fetch(k, k)
-                return cache.attention(q, None, None, scale=D**-0.5, mask=None), *cache.state
+                keys, values = cache.update_and_fetch(k, k)
+                return cache.attention(q, keys, values, scale=D**-0.5, mask=None), *cache.state[:4]
 
             print(f"  n_kept={n_kept:>5} positions={positions:>7} step_ms={median_ms(step):.3f} kept={cache.tokens_kept}")
 

@@ -1,0 +1,36 @@
+"""Counter-based random numbers: a value depends only on its coordinates, never on call order.
+
+So noise is the same however a prompt is chunked, is recomputed instead of stored, and differs
+across seeds, layers, heads and positions. Used by Keyformer's Gumbel noise and the random floor.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def mix(x: mx.array) -> mx.array:
+    # "lowbias32" integer finalizer (C. Wellons): full avalanche on uint32
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: int, layer: int, heads: mx.array, query_positions: mx.array | None, key_positions: mx.array) -> mx.array:
+    """Gumbel(0, 1) noise [R, G, L, n] (L = 1 when query_positions is None: frozen noise).
+
+    heads [R, G] uint32 stream ids (query heads), query_positions [L] true positions of the query
+    steps, key_positions [R or 1, n] true positions of the keys. zeta = -log(-log(u)), u uniform in
+    (0, 1) from 24 hash bits.
+    """
+    u32 = mx.uint32
+    stream = mix(mix(mix(mx.array(seed, u32)) ^ mx.array(layer, u32)) ^ heads.astype(u32))  # [R, G]
+    if query_positions is None:
+        step = mix(stream)[..., None]  # [R, G, 1]
+    else:
+        step = mix(stream[..., None] ^ (query_positions.astype(u32) + 1))  # [R, G, L]
+    h = mix(step[..., None] ^ key_positions.astype(u32)[:, None, None, :])
+    u = ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    return -mx.log(-mx.log(u))

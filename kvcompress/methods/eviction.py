@@ -1,0 +1,445 @@
+"""Score-then-select eviction: the base every eviction method (H2O, Keyformer, SnapKV, ...) builds on.
+
+A method is a frozen config with a budget and a few score hooks; `EvictionCache` does everything
+else, batched over rows = (batch, KV head) pairs: keys/values [R, n, D], scores and true positions
+[R, n], tokens in temporal order.
+
+How a method scores, as kvpress's `score()`, is one of four decode modes:
+- "accumulate" (H2O, Keyformer): a key's score is the sum over queries of softmax(transform(logits)).
+  The prompt is scored in bounded memory (prompt_scores.py); each decode step adds its query's share.
+- "replace" (TOVA): the score is recomputed from the current query alone (`score_step`).
+- "fixed" (StreamingLLM, KNorm, random): each token gets a score once, when it arrives (`score_new`).
+- "grow" (SnapKV, PyramidKV, AdaKV): the prompt is scored once from its last `window()` queries
+  (`score_prompt`), compressed, and decoded tokens are appended without eviction (as the papers).
+
+Life of a cache. Prefill keeps every token (full causal attention, however mlx-lm chunks the
+prompt); "accumulate" methods score each chunk as it comes, the others remember the last `window()`
+queries. The first single-token call is the prompt's last query (mlx-lm's generate feeds it alone):
+after it the cache resolves the budget to `capacity` tokens per row (and `recent`, the protected
+window), scores the prompt and selects: the first `n_sink` and last `recent` slots are kept, then
+the highest-scoring rest. Each later step appends, updates scores, and evicts the lowest unprotected
+slot per row (kvcompress/kernels/evict.py). The sweep's `from_prefill` reaches the same
+state from a finished full prefill (tested: same positions, same scores).
+
+Positions: "exact" keeps every key rotated at its true position and `offset` is the true position;
+"compact" re-rotates survivors to slots 0..n-1 and reports `offset = n` (StreamingLLM-style), with
+RoPE rotations read off the model's own module. A method may give rows different lengths (AdaKV):
+short rows are padded with slots at position PAD, which no query ever sees.
+
+Save/load: `state` holds the arrays and one JSON string with everything else, so mlx-lm's
+`save_prompt_cache` writes it; mlx-lm's `load_prompt_cache` finds classes by name in
+`mlx_lm.models.cache` only, so importing this module registers `EvictionCache` there.
+`kvcompress.load_prompt_cache(path, model)` also re-attaches the model's RoPE module, which
+compact-position caches need for a multi-token call after loading.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import create_attention_mask
+
+from ..attention import attention_geometry, install
+from ..kernels.evict import evict_one, protected_mask, rotate_pairs
+from .base import CompressedCache, ConfigError, Method, array_bytes, budget_tokens, check, check_budget
+from .prompt_scores import accumulated_attention, folded_logits
+
+DECODE_MODES = ("accumulate", "replace", "fixed", "grow")
+POSITION_MODES = ("exact", "compact")
+PAD = 2**31 - 1  # position of a padding slot: after every query, so causally invisible
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class Eviction(Method):
+    """Base config. Subclasses declare the knobs they have as fields (with their paper's defaults);
+    a knob a method lacks keeps the class default below and is neither a field nor in its label."""
+
+    budget: int | float = 0.5  # tokens kept per row (int) or a fraction of the prompt (float)
+    recent = 0  # protected recent window: tokens (int) or a fraction of the budget (float < 1)
+    n_sink = 0  # protected first tokens
+    positions = "exact"
+    decode: ClassVar[str] = "accumulate"
+
+    def __post_init__(self):
+        n = self.name
+        check_budget(f"{n}.budget", self.budget)
+        recent_ok = (is_int(self.recent) and self.recent >= 0) or (isinstance(self.recent, float) and 0.0 <= self.recent < 1.0)
+        check(recent_ok, f"{n}.recent", "a token count >= 0 or a budget fraction in [0, 1)", self.recent)
+        check(is_int(self.n_sink) and self.n_sink >= 0, f"{n}.n_sink", "an int >= 0", self.n_sink)
+        check(self.positions in POSITION_MODES, f"{n}.positions", f"one of {POSITION_MODES}", self.positions)
+        if is_int(self.budget):
+            self.resolve(self.budget)  # a token budget is checked now, a fraction once the prompt is known
+
+    # -- budget --------------------------------------------------------------------------------
+
+    def resolve(self, prompt_tokens: int, layer: int = 0, n_layers: int = 1) -> tuple[int, int]:
+        """(capacity, recent) in tokens for one layer; ConfigError when no scored slot is left."""
+        capacity = budget_tokens(self.budget, prompt_tokens)
+        recent = round(self.recent * capacity) if isinstance(self.recent, float) else self.recent
+        if capacity <= self.n_sink + recent:
+            raise ConfigError(
+                f"{self.name}.budget: expected more tokens than n_sink + recent = {self.n_sink} + {recent} "
+                f"(room for at least one scored token), got {self.budget!r} = {capacity} tokens"
+                + (f" of a {prompt_tokens}-token prompt" if isinstance(self.budget, float) else "")
+            )
+        if capacity >= prompt_tokens:  # nothing to compress in any layer (as PyramidKV's code)
+            return capacity, recent
+        return self.layer_capacity(capacity, recent, layer, n_layers), recent
+
+    def layer_capacity(self, capacity: int, recent: int, layer: int, n_layers: int) -> int:
+        """Layer-wise budgets (PyramidKV) override this; the mean over layers stays `capacity`."""
+        return capacity
+
+    # -- score hooks (see the module docstring) ------------------------------------------------
+
+    def scoring(self) -> "Eviction":
+        """The config whose score hooks rank tokens (AdaKV delegates to another method)."""
+        return self
+
+    def window(self) -> int:
+        """How many of the prompt's last queries `score_prompt` needs."""
+        return 0
+
+    def transform(self, cache, logits, query_positions, key_positions):
+        """"accumulate": logits [R, G, L, n] -> what the softmax is taken of (H2O: themselves)."""
+        return logits
+
+    def score_queries(self, cache, queries, new_keys):
+        """"accumulate": what acts as the query [R, G, L, D] (the queries; Keyformer's proxy: keys)."""
+        return queries
+
+    def score_prompt(self, cache, keys, queries):
+        """"replace" / "grow": scores [R, T] of the prompt from its last `window()` queries."""
+        raise NotImplementedError
+
+    def score_step(self, cache, probs):
+        """"replace": new scores [R, n] from this step's attention probabilities [R, G, S, n]."""
+        raise NotImplementedError
+
+    def score_new(self, cache, keys, positions):
+        """"fixed": scores [R, S] of arriving keys [R, S, D] at true positions [R, S]."""
+        raise NotImplementedError
+
+    def evict_by(self, cache, step: int) -> mx.array:
+        """What eviction ranks [R, n] at query position `step` (Keyformer's proxy adds noise here)."""
+        return cache.scores
+
+    def select(self, cache, ranked: mx.array, capacity: int) -> tuple[mx.array, mx.array | None]:
+        """Slots to keep [R, k] in temporal order (protected slots rank +inf), and which are real
+        ([R, k] bool, or None when every row keeps k). AdaKV overrides this."""
+        keep = mx.argpartition(-ranked, kth=capacity - 1, axis=1)[:, :capacity]
+        return mx.sort(keep, axis=1), None
+
+    # -- building --------------------------------------------------------------------------------
+
+    def make_cache(self, model) -> list:
+        install()  # the caches attend themselves; without the hook nothing would be scored
+        g = attention_geometry(model)
+        scale = getattr(model.layers[0].self_attn, "scale", g.head_dim**-0.5)
+        return [
+            EvictionCache(self, layer, g.n_layers, g.n_kv_heads, g.head_dim, model.layers[layer].self_attn.rope, scale)
+            for layer in range(g.n_layers)
+        ]
+
+
+def rope_rotations(rope, head_dim: int, count: int) -> tuple[mx.array, mx.array]:
+    """cos, sin [count, dims/2] of the model's own RoPE at positions 0..count-1.
+
+    Read off the module by rotating a probe vector (1 in the first element of every pair), so the
+    base, any frequency scaling and the pair layout are the model's, not assumptions.
+    """
+    dims = getattr(rope, "dims", head_dim)
+    traditional = getattr(rope, "traditional", False)
+    first = mx.arange(head_dim)
+    first = ((first % 2 == 0) & (first < dims)) if traditional else (first < dims // 2)
+    out = rope(mx.zeros((1, 1, count, head_dim), mx.float32) + first.astype(mx.float32))[0, 0]
+    if traditional:
+        return out[:, 0:dims:2], out[:, 1:dims:2]
+    return out[:, : dims // 2], out[:, dims // 2 : dims]
+
+
+class EvictionCache(CompressedCache):
+    """One layer's eviction cache: mlx-lm's cache protocol plus `attention` and `from_prefill`."""
+
+    def __init__(self, config: Eviction, layer: int, n_layers: int, n_kv_heads: int, head_dim: int, rope, scale: float):
+        self.config, self.layer, self.n_layers = config, layer, n_layers
+        self.scorer = config.scoring()
+        self.n_kv_heads, self.head_dim, self.rope, self.scale = n_kv_heads, head_dim, rope, scale
+        self.traditional = getattr(rope, "traditional", False)
+        self.keys = self.values = None  # [R, n, D]
+        self.scores = None  # [R, n] float32 (None once a "grow" method has selected)
+        self.positions = None  # [R, n] int32 true positions (PAD for padding slots)
+        self.batch = 0
+        self.position = 0  # true position of the next token
+        self.offset = 0  # where mlx-lm rotates the next token: position (exact) or n (compact)
+        self.prompt_len = self.capacity = self.recent = None  # known once the prompt is complete
+        self.padded = False  # rows of different lengths (PAD slots present)
+        self.window_queries = None  # [R, G, <= window, D] the prompt's last queries, until selection
+        self.rope_step = None  # (cos, sin) of one RoPE position, for compact-mode eviction
+        self._unscored = 0  # tokens appended and not yet seen by attention()
+
+    # -- mlx-lm protocol ------------------------------------------------------------------------
+
+    def update_and_fetch(self, keys, values):
+        # keys, values: [B, H_kv, S, D] post-RoPE
+        if self._unscored:
+            raise RuntimeError("EvictionCache needs kvcompress's attention hook: call kvcompress.attention.install()")
+        B, H, S, D = keys.shape
+        R = B * H
+        self.batch = B
+        positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
+        keys, values = keys.reshape(R, S, D), values.reshape(R, S, D)
+        if self.prompt_len is not None and self.config.decode == "grow":
+            scores = None  # appended, never evicted
+        elif self.scorer.decode == "fixed":
+            scores = self.scorer.score_new(self, keys, positions)
+        else:
+            scores = mx.zeros((R, S), mx.float32)
+        self._append(keys, values, scores, positions)
+        self.position += S
+        self._unscored = S
+        self._set_offset()
+        n = self.tokens_kept
+        return self.keys.reshape(B, H, n, D), self.values.reshape(B, H, n, D)
+
+    def attention(self, queries, keys, values, scale, mask):
+        """Attention of the S new queries over the kept tokens, then scoring and eviction."""
+        # queries [B, H_q, S, D]; keys/values: the [B, H_kv, n, D] update_and_fetch returned
+        B, n_q, S, D = queries.shape
+        R, n = self.keys.shape[:2]
+        q = queries.reshape(R, n_q * B // R, S, D)  # [R, G, S, D]: a KV head's query group
+        self._unscored = 0
+        if self.prompt_len is None:  # the prompt: every token so far is kept, in order
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal" if S > 1 else None)
+            self._score_prompt_queries(q, scale)
+            if S == 1:
+                self._complete_prompt()
+            return out
+        query_positions = mx.arange(self.position - S, self.position, dtype=mx.int32)
+        logits = folded_logits(q, self.keys, scale)  # [R, G, S, n]
+        if S > 1 or self.padded:
+            logits = self._causal(logits, query_positions)
+        probs = mx.softmax(logits, axis=-1, precise=True)
+        out = (probs.astype(self.values.dtype).reshape(R, -1, n) @ self.values).reshape(B, n_q, S, D)
+        decode = "grow" if self.config.decode == "grow" else self.scorer.decode
+        if decode == "accumulate":
+            self.scores = self.scores + self._step_increments(q, logits, probs, query_positions, scale)
+        elif decode == "replace":
+            self.scores = self.scorer.score_step(self, probs)
+        self._evict_down()
+        return out.astype(queries.dtype)
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        # attention() masks by positions; this is what a caller that asks gets (kept count, causal)
+        return create_attention_mask(N, self.tokens_kept, return_array, window_size)
+
+    def empty(self):
+        return self.keys is None
+
+    def is_trimmable(self):
+        return False
+
+    def trim(self, n):
+        return 0
+
+    @property
+    def tokens_kept(self) -> int:
+        """Slots per row (padding included: it is resident)."""
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    @property
+    def live_kv_bytes(self) -> int:
+        """Resident bytes: keys and values plus the per-token scores and positions (also resident)."""
+        return array_bytes(self.keys, self.values, self.scores, self.positions)
+
+    def kept_positions(self) -> mx.array:
+        """True positions [B * H_kv, n] of the slots, in the order of `held_kv` (PAD: a padding slot)."""
+        return self.positions
+
+    def held_kv(self) -> tuple[mx.array, mx.array]:
+        """Keys and values [B, H_kv, n, D] slot by slot, as attention sees them (exact positions)."""
+        R, n, D = self.keys.shape
+        return self.keys.reshape(self.batch, R // self.batch, n, D), self.values.reshape(self.batch, R // self.batch, n, D)
+
+    def kept_rows(self) -> list[np.ndarray]:
+        """Original token positions each row holds, padding left out."""
+        positions = np.array(self.positions)
+        return [row[row != PAD] for row in positions]
+
+    # -- runner entry ---------------------------------------------------------------------------
+
+    def from_prefill(self, keys, values, queries=None):
+        """Compress a finished full-attention prefill: score the prompt, then one selection.
+
+        keys, values [B, H_kv, T, D] post-RoPE at positions 0..T-1; queries [B, H_q, T, D]
+        post-RoPE (needed when the method scores with queries).
+        """
+        B, H, T, D = keys.shape
+        self.config.resolve(T, self.layer, self.n_layers)  # reject before any work
+        scorer = self.scorer
+        if scorer.needs_queries and queries is None:
+            raise ValueError(f"{self.config.name} scores with the prompt's queries: pass them")
+        R = B * H
+        self.batch = B
+        self.keys, self.values = keys.reshape(R, T, D), values.reshape(R, T, D)
+        self.positions = mx.broadcast_to(mx.arange(T, dtype=mx.int32), (R, T))
+        self.position = T
+        if scorer.decode == "fixed":
+            self.scores = scorer.score_new(self, self.keys, self.positions)
+        else:
+            self.scores = mx.zeros((R, T), mx.float32)
+            if queries is not None:
+                self._score_prompt_queries(queries.reshape(R, queries.shape[1] // H, T, D), self.scale)
+        self._complete_prompt()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _score_prompt_queries(self, q, scale):
+        """Prompt queries q [R, G, S, D] at the last S positions: accumulate, or remember the window."""
+        scorer = self.scorer
+        S = q.shape[2]
+        if scorer.decode == "accumulate":
+            def transform(logits, query_positions, key_positions):
+                return scorer.transform(self, logits, query_positions, key_positions[None])
+
+            sq = scorer.score_queries(self, q, self.keys[:, -S:])
+            self.scores = self.scores + accumulated_attention(sq, self.keys, scale, transform)
+        elif scorer.window():
+            w = scorer.window()
+            q = q[:, :, -w:]
+            if self.window_queries is not None:
+                q = mx.concatenate([self.window_queries, q], axis=2)[:, :, -w:]
+            self.window_queries = q
+            mx.eval(self.window_queries)  # a slice must not keep the whole chunk alive
+
+    def _complete_prompt(self):
+        self.prompt_len = self.position
+        self.capacity, self.recent = self.config.resolve(self.prompt_len, self.layer, self.n_layers)
+        scorer = self.scorer
+        if scorer.decode in ("replace", "grow"):
+            self.scores = scorer.score_prompt(self, self.keys, self.window_queries)
+        self.window_queries = None
+        if self.tokens_kept > self.capacity:
+            self._select(self.capacity, self.position - 1)
+        if self.config.decode == "grow":
+            self.scores = None  # never evicts again: the scores would be dead weight
+        self._set_offset()
+        mx.eval(self.state[:4])
+
+    def _step_increments(self, q, logits, probs, query_positions, scale):
+        scorer = self.scorer
+        S = q.shape[2]
+        sq = scorer.score_queries(self, q, self.keys[:, -S:])
+        if sq is not q:
+            logits = self._causal(folded_logits(sq, self.keys, scale), query_positions)
+        noisy = scorer.transform(self, logits, query_positions, self.positions)
+        if noisy is not logits or sq is not q:
+            probs = mx.softmax(noisy, axis=-1, precise=True)
+        return probs.sum(axis=(1, 2))
+
+    def _causal(self, logits, query_positions):
+        visible = self.positions[:, None, None, :] <= query_positions[None, None, :, None]
+        return mx.where(visible, logits, -mx.inf)
+
+    def _evict_down(self):
+        n = self.tokens_kept
+        if self.config.decode == "grow" or n <= self.capacity:
+            return
+        if n == self.capacity + 1 and not self.padded:
+            rotation = None
+            if self.config.positions == "compact":
+                if self.rope_step is None:
+                    cos, sin = rope_rotations(self.rope, self.head_dim, 2)
+                    self.rope_step = (cos[1], sin[1])
+                rotation = self.rope_step
+            self.keys, self.values, self.scores, self.positions, _ = evict_one(
+                self.keys, self.values, self.scores, self.positions, self.config.evict_by(self, self.position - 1),
+                self.config.n_sink, self.recent, rotation, self.traditional,
+            )
+        else:
+            self._select(self.capacity, self.position - 1)
+        self._set_offset()
+
+    def _select(self, capacity: int, step: int):
+        """Keep the protected slots and the top-ranked rest, `capacity` per row, in temporal order."""
+        n = self.tokens_kept
+        protected = protected_mask(n, self.config.n_sink, self.recent)[None]
+        ranked = mx.where(protected, mx.inf, self.config.evict_by(self, step))
+        if self.padded:
+            ranked = mx.where(self.positions == PAD, -mx.inf, ranked)
+        keep, real = self.config.select(self, ranked, capacity)
+
+        def take(a):
+            return mx.take_along_axis(a, keep[..., None] if a.ndim == 3 else keep, axis=1)
+
+        keys = take(self.keys)
+        if self.config.positions == "compact":
+            if self.rope is None:
+                raise RuntimeError("a compact-position cache needs the model's RoPE: kvcompress.load_prompt_cache(path, model)")
+            # slot keep[i] was rotated at position keep[i] (slot index); move it to i
+            cos, sin = rope_rotations(self.rope, self.head_dim, n)
+            back = keep - mx.arange(keep.shape[1])[None]
+            keys = rotate_pairs(keys, cos[back], -sin[back], self.traditional)
+        self.keys, self.values, self.positions = keys, take(self.values), take(self.positions)
+        self.scores = None if self.scores is None else take(self.scores)
+        self.padded = real is not None
+        if real is not None:
+            self.positions = mx.where(real, self.positions, PAD)
+
+    def _append(self, keys, values, scores, positions):
+        if self.keys is None:
+            self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
+            return
+        self.keys = mx.concatenate([self.keys, keys], axis=1)
+        self.values = mx.concatenate([self.values, values], axis=1)
+        self.positions = mx.concatenate([self.positions, positions], axis=1)
+        if scores is not None:
+            self.scores = mx.concatenate([self.scores, scores], axis=1)
+
+    def _set_offset(self):
+        self.offset = self.position if self.config.positions == "exact" else self.tokens_kept
+
+    # -- save / load ------------------------------------------------------------------------------
+
+    @property
+    def state(self):
+        cos, sin = self.rope_step or (None, None)
+        return self.keys, self.values, self.scores, self.positions, cos, sin, self.meta_state
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.scores, self.positions, cos, sin, meta = v
+        self.rope_step = None if cos is None else (cos, sin)
+        self.meta_state = meta
+
+    @property
+    def meta_state(self) -> str:
+        """Everything but the arrays, as JSON (mlx-lm stores strings in its prompt-cache files)."""
+        fields = ("layer", "n_layers", "n_kv_heads", "head_dim", "scale", "traditional", "batch", "position", "offset",
+                  "prompt_len", "capacity", "recent", "padded")
+        return json.dumps({"config": json.loads(self.config.to_json()), **{f: getattr(self, f) for f in fields}})
+
+    @meta_state.setter
+    def meta_state(self, v):
+        from . import method_config  # the registry imports this module
+
+        meta = json.loads(v)
+        self.config = method_config(**meta.pop("config"))
+        self.scorer = self.config.scoring()
+        for field, value in meta.items():
+            setattr(self, field, value)
+        if not hasattr(self, "rope"):  # restored by from_state: no model here
+            self.rope, self.window_queries, self._unscored = None, None, 0
+
+
+# mlx-lm's load_prompt_cache looks cache classes up by name in mlx_lm.models.cache's globals.
+setattr(mlx_cache, "EvictionCache", EvictionCache)

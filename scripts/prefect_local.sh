@@ -70,9 +70,14 @@ run() {  # run a deployment to completion; fail unless it completed
   echo "$out" | grep -q "Completed" || { echo "flow run did not complete" >&2; exit 1; }
 }
 
-stop() {
+stop() {  # SIGTERM, then SIGKILL: a Prefect worker's first SIGTERM only starts a drain that can hang
+  local pids
   for f in worker server; do
-    [ -f "$PREFECT_HOME/$f.pid" ] && xargs -r kill <"$PREFECT_HOME/$f.pid" 2>/dev/null || true
+    [ -f "$PREFECT_HOME/$f.pid" ] || continue
+    pids=$(cat "$PREFECT_HOME/$f.pid")
+    kill $pids 2>/dev/null || true
+    for _ in $(seq 20); do kill -0 $pids 2>/dev/null || break; sleep 1; done
+    kill -9 $pids 2>/dev/null || true
     rm -f "$PREFECT_HOME/$f.pid"
   done
   echo "stopped worker and server"

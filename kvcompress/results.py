@@ -240,11 +240,14 @@ def _promised_step_rows(fs: pafs.FileSystem, path: str) -> int | None:
     return table.column("step_rows")[0].as_py() if "step_rows" in table.column_names else None
 
 
-def _run_problem(fs: pafs.FileSystem, runs_path: str, steps_path: str) -> str | None:
-    """Why a run's pair of files is not a finished run, or None when it is."""
+def _run_problem(fs: pafs.FileSystem, base: str, relative: str) -> str | None:
+    """Why the run whose runs file is {base}/runs/{relative} is not finished, or None when it is:
+    its runs file holds one row, its steps file the rows that row promises, and its evidence file
+    (absent for runs written before the table existed) reads as Parquet."""
+    runs_path = f"{base}/runs/{relative}"
     if _rows(fs, runs_path) != 1:
         return "runs file is not readable Parquet with one row"
-    steps_rows = _rows(fs, steps_path)
+    steps_rows = _rows(fs, f"{base}/steps/{relative}")
     if steps_rows is None:
         return "its steps file is missing or not readable Parquet"
     try:
@@ -253,6 +256,9 @@ def _run_problem(fs: pafs.FileSystem, runs_path: str, steps_path: str) -> str | 
         return f"runs file does not read back: {exc}"
     if promised is not None and promised != steps_rows:
         return f"steps file holds {steps_rows} rows, the run wrote {promised}"
+    evidence_path = f"{base}/evidence/{relative}"
+    if fs.get_file_info(evidence_path).type != pafs.FileType.NotFound and _rows(fs, evidence_path) is None:
+        return "its evidence file is not readable Parquet"
     return None
 
 
@@ -263,8 +269,7 @@ def finished_run_ids(root: str, sweep_id: str) -> set[str]:
     for info in _parquet_files(fs, f"{base}/runs/sweep_id={sweep_id}"):
         if info.base_name.startswith(".") or not info.base_name.endswith(".parquet"):
             continue
-        steps_path = f"{base}/steps/" + posixpath.relpath(info.path, f"{base}/runs")
-        if _run_problem(fs, info.path, steps_path) is None:
+        if _run_problem(fs, base, posixpath.relpath(info.path, f"{base}/runs")) is None:
             finished.add(info.base_name[: -len(".parquet")])
     return finished
 
@@ -285,7 +290,7 @@ def scan(root: str) -> list[Problem]:
                 problems.append(Problem(info.path, "stale temporary file of a crashed write"))
         elif name.endswith(".parquet") and not name.startswith("."):
             if top == "runs":
-                reason = _run_problem(fs, info.path, f"{base}/steps/" + relative.split("/", 1)[1])
+                reason = _run_problem(fs, base, relative.split("/", 1)[1])
                 if reason is not None:
                     problems.append(Problem(info.path, reason))
             elif _rows(fs, info.path) is None:  # steps without a runs row are a run in progress: left alone
@@ -299,11 +304,11 @@ def quarantine(root: str, problems: list[Problem]) -> list[str]:
     fs, base = _filesystem(root)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     paths = []
-    for problem in problems:  # a broken run goes with its steps file, so the pair stays together
+    for problem in problems:  # a broken run goes with its steps and evidence files: the run stays whole
         relative = posixpath.relpath(problem.path, base)
         paths.append(relative)
         if relative.startswith("runs/") and problem.path.endswith(".parquet"):
-            paths.append("steps/" + relative.split("/", 1)[1])
+            paths += [f"{table}/" + relative.split("/", 1)[1] for table in TABLES if table != "runs"]
     moved = []
     for relative in dict.fromkeys(paths):
         if fs.get_file_info(f"{base}/{relative}").type == pafs.FileType.NotFound:

@@ -188,10 +188,6 @@ class SweepSpec:
         except ConfigError:
             return None
 
-    def beyond_window(self, context_tokens: int) -> bool:
-        window = self.context_window()
-        return bool(window and context_tokens > window)
-
     def estimate(self) -> dict[str, Any]:
         """Cells, shards and a rough CPU time for `--dry-run`."""
         methods, shards = self.method_configs(), self.shards()

@@ -134,14 +134,16 @@ def test_writer_refuses_a_path_outside_the_root(tmp_path):
 
 
 def _broken_results(tmp_path):
-    """Four runs of sweep `sw`: one whole, a truncated runs file, a truncated steps file, a steps
-    file with fewer rows than its run wrote; plus a stray text file named *.parquet."""
+    """Five runs of sweep `sw`: one whole, a truncated runs file, a truncated steps file, a steps
+    file with fewer rows than its run wrote, a truncated evidence file; plus a stray text file
+    named *.parquet."""
     root = tmp_path / "results"
-    for rid in ("good", "cut-runs", "cut-steps", "short-steps"):
+    for rid in ("good", "cut-runs", "cut-steps", "short-steps", "cut-evidence"):
         write_run(str(root), "sw", "full", make_run(rid, "full", 1.0, 1000), make_steps(rid, [0.0] * 3, [True] * 3))
     part = ("sweep_id=sw", "method=full")
     runs, steps = root.joinpath("runs", *part), root.joinpath("steps", *part)
-    for path in (runs / "cut-runs.parquet", steps / "cut-steps.parquet"):
+    for path in (runs / "cut-runs.parquet", steps / "cut-steps.parquet",
+                 root.joinpath("evidence", *part, "cut-evidence.parquet")):
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a write killed half-way
     pq.write_table(pa.Table.from_pylist(make_steps("short-steps", [0.0], [True]), schema=STEPS_SCHEMA),
                    steps / "short-steps.parquet")
@@ -159,9 +161,11 @@ def test_reports_skip_unreadable_files_with_one_warning_each(tmp_path):
     with pytest.warns(UserWarning) as caught:
         con = connect(str(root))
     warned = sorted(str(w.message).split(":")[0] for w in caught)
+    evidence = root / "evidence" / "sweep_id=sw" / "method=full" / "cut-evidence.parquet"
     assert warned == sorted(f"skipping {p}" for p in (runs / "cut-runs.parquet", runs / "notes.parquet",
-                                                      steps / "cut-steps.parquet"))
-    assert sorted(r[0] for r in con.execute("SELECT run_id FROM runs").fetchall()) == ["cut-steps", "good", "short-steps"]
+                                                      steps / "cut-steps.parquet", evidence))
+    assert sorted(r[0] for r in con.execute("SELECT run_id FROM runs").fetchall()) == \
+        ["cut-evidence", "cut-steps", "good", "short-steps"]
     columns, rows = run_report(con, "summary")
     assert rows  # the reports still run
 
@@ -175,11 +179,14 @@ def test_scan_lists_broken_files_and_quarantine_moves_them_aside(tmp_path):
         str(runs / "short-steps.parquet"): "steps file holds 1 rows, the run wrote 3",
         str(runs / "notes.parquet"): "runs file is not readable Parquet with one row",
         str(steps / "cut-steps.parquet"): "not readable Parquet",
+        str(runs / "cut-evidence.parquet"): "its evidence file is not readable Parquet",
+        str(root / "evidence" / "sweep_id=sw" / "method=full" / "cut-evidence.parquet"): "not readable Parquet",
     }
-    moved = quarantine(str(root), scan(str(root)))  # each broken run with its steps file
-    assert len(moved) == 7 and all("/_quarantine/" in m for m in moved)
+    moved = quarantine(str(root), scan(str(root)))  # each broken run with its steps and evidence files
+    assert len(moved) == 13 and all("/_quarantine/" in m for m in moved)
     assert scan(str(root)) == [] and finished_run_ids(str(root), "sw") == {"good"}
-    assert sorted(p.name for p in (root / "steps").rglob("*.parquet")) == ["good.parquet"]
+    for table in ("runs", "steps", "evidence"):
+        assert sorted(p.name for p in (root / table).rglob("*.parquet")) == ["good.parquet"]
     write_run(str(root), "sw", "full", make_run("cut-runs", "full", 1.0, 1000), make_steps("cut-runs", [0.0] * 3, [True] * 3))
     assert finished_run_ids(str(root), "sw") == {"good", "cut-runs"}
 

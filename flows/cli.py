@@ -11,7 +11,7 @@ import warnings
 
 import kvcompress  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
 from kvcompress.errors import ConfigError
-from kvcompress.methods import methods
+from kvcompress.methods import list_methods
 from kvcompress.results import check_root, default_root, quarantine, scan, validate_sweep_id
 from kvcompress.sweep import load_spec
 
@@ -84,7 +84,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_methods(args) -> int:
-    for m in methods():
+    for m in list_methods():
         print(f"{m['name']:<12} {m['doc']}\n{'':<12} params: {json.dumps(m['params'])}")
     return 0
 

@@ -9,7 +9,7 @@ from .methods import method_config
 
 
 def make_cache(model, method: str = "full", max_tokens: int | None = None, **params: Any) -> list:
-    """An mlx-lm prompt cache for `model` compressed by `method` (see `kvcompress.methods()`).
+    """An mlx-lm prompt cache for `model` compressed by `method` (see `kvcompress.list_methods()`).
 
     Usable as `mlx_lm.stream_generate(model, tokenizer, prompt, prompt_cache=make_cache(...))`.
     Installs the attention hook so caches that attend themselves (Keyformer, KIVI) are called.

@@ -24,7 +24,7 @@ from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
 from .embedded import smollm2_gguf
-from .methods.base import ConfigError
+from .errors import ConfigError
 
 EMBEDDED = "smollm2-135m"
 GROUP_SIZE = 32  # llama.cpp Q4_1/Q8_0 blocks are 32 values; mx.load keeps them as MLX groups of 32

@@ -15,7 +15,7 @@ from kvcompress.datasets import (
 )
 from kvcompress.datasets import scorers
 from kvcompress.datasets.niah import NEEDLE
-from kvcompress.methods.base import ConfigError
+from kvcompress.errors import ConfigError
 from kvcompress.model import load_tokenizer
 
 DATA = Path(__file__).parent / "data"

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from kvcompress.attention import install
 from kvcompress.methods import REGISTRY, method_config
-from kvcompress.methods.base import ConfigError
+from kvcompress.errors import ConfigError
 from kvcompress.methods.eviction import PAD, Eviction, EvictionCache
 from kvcompress.methods.counter_hash import gumbel_noise
 from kvcompress.methods.pyramidkv import layer_shares

@@ -13,7 +13,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
 from kvcompress.attention import install
-from kvcompress.methods.base import ConfigError
+from kvcompress.errors import ConfigError
 from kvcompress.methods.eviction import EvictionCache
 from kvcompress.methods.h2o import H2O
 from kvcompress.methods.counter_hash import gumbel_noise

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 from kvcompress.attention import reference_attention
 from kvcompress.embedded import essays_dir
 from kvcompress.methods import REGISTRY, method_config
-from kvcompress.methods.base import ConfigError
+from kvcompress.errors import ConfigError
 from kvcompress.methods.kivi import Kivi, KiviCache
 
 

@@ -10,14 +10,27 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.memory import live_kv_bytes, tokens_kept
-from kvcompress.methods import ConfigError, method_config
+from kvcompress.errors import ConfigError
+from kvcompress.methods import method_config
 
 
 def test_methods_lists_every_registered_method_with_defaults():
-    listed = {m["name"]: m for m in kvcompress.methods()}
+    listed = {m["name"]: m for m in kvcompress.list_methods()}
     assert {"full", "mlx-quant", "streaming"} <= set(listed)
     assert listed["mlx-quant"]["params"] == {"bits": 4, "group_size": 64}
     assert listed["streaming"]["params"]["n_sink"] == 4
+
+
+
+def test_methods_is_the_subpackage_and_errors_live_in_one_place():
+    import kvcompress.errors
+    import kvcompress.methods as m
+    import kvcompress.methods.base
+
+    assert "keyformer" in m.REGISTRY and kvcompress.methods is m
+    # one ConfigError: raised by every layer, importable from the package, errors and (for users) methods.base
+    assert kvcompress.ConfigError is kvcompress.errors.ConfigError is kvcompress.methods.base.ConfigError
+    assert [kvcompress.errors.is_int(v) for v in (3, True, 3.0, "3")] == [True, False, False, False]
 
 
 @pytest.mark.parametrize(

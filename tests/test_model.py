@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.utils import save_config, save_model
 
 from kvcompress.embedded import essays_dir
-from kvcompress.methods.base import ConfigError
+from kvcompress.errors import ConfigError
 from kvcompress.model import build_embedded, load_model, load_tokenizer, model_fingerprint, model_info
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

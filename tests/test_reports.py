@@ -371,7 +371,7 @@ def test_publish_artifacts_to_a_real_prefect_server(fixture_results):
 
 
 def test_write_html_names_the_bad_sweep_or_empty_root(fixture_results, tmp_path):
-    from kvcompress.methods.base import ConfigError
+    from kvcompress.errors import ConfigError
     from tasks.html_report import write_html
 
     with pytest.raises(ConfigError, match=r"sweep_id: expected one of \['s2', 's1'\], got 'nope'"):

@@ -10,7 +10,7 @@ from kvcompress.datasets import (
     RULER_TASKS, load_dataset, max_answer_tokens, prompt_tokens, sample_prompt, score, validate,
 )
 from kvcompress.datasets import scorers
-from kvcompress.methods.base import ConfigError
+from kvcompress.errors import ConfigError
 from kvcompress.model import load_tokenizer
 
 BUDGETS = {**{t: 128 for t in RULER_TASKS if t.startswith("niah")}, "vt": 30, "cwe": 120, "fwe": 50}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..methods.base import ConfigError
+from ..errors import ConfigError
 from .base import DatasetConfig, Prompt, encode_prompt, prompt_tokens, sample_prompt, unknown_params
 from .hf import DatasetUnavailable, HFDataset
 from .lm import LanguageModelling

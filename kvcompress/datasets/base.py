@@ -13,7 +13,7 @@ import random
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, ClassVar
 
-from ..methods.base import ConfigError, check
+from ..errors import ConfigError, check, is_int
 from .tasks import task_of
 
 MIN_CONTEXT_TOKENS = 256  # NIAH multiquery's chat template, instruction, question and needles take ~175
@@ -38,10 +38,6 @@ def to_dataset(rows: list[dict]):
     import datasets
 
     return datasets.Dataset.from_list(rows, features=features())
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..methods.base import ConfigError, check
+from ..errors import ConfigError, check
 from .base import DatasetConfig, fit_context, metadata_json, resolve_tokenizer, to_dataset
 
 FIELDS = ("context", "question", "answers", "id")

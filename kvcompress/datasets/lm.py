@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..methods.base import check
+from ..errors import check, is_int
 from . import essays
-from .base import DatasetConfig, _ids, fit_largest, is_int, metadata_json, resolve_tokenizer, to_dataset
+from .base import DatasetConfig, _ids, fit_largest, metadata_json, resolve_tokenizer, to_dataset
 
 MAX_CONTINUATION_TOKENS = 4096
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..methods.base import check
+from ..errors import check
 from .base import DatasetConfig, fit_context, metadata_json, resolve_tokenizer, to_dataset
 from .hf import as_answers, check_source, load_rows, select_rows
 from .tasks import LONGBENCH_SUBSETS

@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..methods.base import check
+from ..errors import check
 from . import essays
 from .base import DatasetConfig, check_depth, encode_prompt, fit_largest, metadata_json, resolve_tokenizer, to_dataset
 

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from ..methods.base import ConfigError, check
+from ..errors import ConfigError, check, is_int
 from . import essays
 from .base import DatasetConfig, encode_prompt, fit_largest, metadata_json, resolve_tokenizer, to_dataset
 from .hf import _is_files, load_rows
@@ -374,7 +374,7 @@ class Ruler(DatasetConfig):
         check(files_ok, "qa_files", f"None or a dict from {list(QA_SOURCES)} to local file path(s)", self.qa_files)
         super().__post_init__()
         self.check_num_samples(allow_all=False)
-        ok = isinstance(self.questions, int) and not isinstance(self.questions, bool) and 1 <= self.questions <= 16
+        ok = is_int(self.questions) and 1 <= self.questions <= 16
         check(ok, "questions", "an int in [1, 16]", self.questions)
         if self.questions > 1:
             check(isinstance(names, (list, tuple)) and all(n in NIAH for n in names), "task",

@@ -197,7 +197,7 @@ TASKS: dict[str, Task] = {
 
 
 def task_of(sample: dict) -> Task:
-    from ..methods.base import ConfigError
+    from ..errors import ConfigError
 
     if sample["task"] not in TASKS:
         raise ConfigError(f"task: expected one of {sorted(TASKS)}, got {sample['task']!r}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from .base import CompressedCache, ConfigError, Method
+from ..errors import ConfigError
+from .base import CompressedCache, Method
 from .adakv import AdaKV
 from .full import Full
 from .h2o import H2O
@@ -38,9 +39,9 @@ def method_config(name: str, **params: Any) -> Method:
     return cls(**params)
 
 
-def methods() -> list[dict[str, Any]]:
+def list_methods() -> list[dict[str, Any]]:
     """Every registered method with its one-line doc and parameters with their defaults."""
     return [cls.describe() for cls in REGISTRY.values()]
 
 
-__all__ = ["REGISTRY", "CompressedCache", "ConfigError", "Method", "method_config", "methods"]
+__all__ = ["REGISTRY", "CompressedCache", "ConfigError", "Method", "list_methods", "method_config"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .base import check
+from ..errors import check
 from .eviction import Eviction
 
 SCORERS = ("snapkv", "h2o", "tova", "knorm", "keyformer", "streaming", "random")

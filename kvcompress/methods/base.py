@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from ..errors import ConfigError, check  # noqa: F401  (re-exported: methods raise them)
+from ..errors import ConfigError, check, is_int  # noqa: F401  (ConfigError, check re-exported for users)
 
 
 def array_bytes(*arrays: mx.array | None) -> int:
@@ -92,7 +92,7 @@ class Method:
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
-        """Name, one-line doc and parameters with defaults, for `kvcompress.methods()`."""
+        """Name, one-line doc and parameters with defaults, for `kvcompress.list_methods()`."""
         params = {}
         for f in fields(cls):
             default = f.default
@@ -137,7 +137,7 @@ class CompressedCache(_BaseCache):
 
 def check_budget(field: str, budget: int | float) -> None:
     """A budget is a token count (int >= 1) or a fraction of the prompt (float in (0, 1])."""
-    is_count = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+    is_count = is_int(budget) and budget >= 1
     is_fraction = isinstance(budget, float) and 0.0 < budget <= 1.0
     check(is_count or is_fraction, field, "a token count >= 1 or a prompt fraction in (0, 1]", budget)
 

@@ -46,16 +46,13 @@ from mlx_lm.models.cache import create_attention_mask
 
 from ..attention import attention_geometry, install
 from ..kernels.evict import evict_one, protected_mask, rotate_pairs
-from .base import CompressedCache, ConfigError, Method, array_bytes, budget_tokens, check, check_budget
+from ..errors import ConfigError, check, is_int
+from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
 from .prompt_scores import accumulated_attention, folded_logits
 
 DECODE_MODES = ("accumulate", "replace", "fixed", "grow")
 POSITION_MODES = ("exact", "compact")
 PAD = 2**31 - 1  # position of a padding slot: after every query, so causally invisible
-
-
-def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .base import check
+from ..errors import check, is_int
 from .counter_hash import gumbel_noise
-from .eviction import Eviction, is_int
+from .eviction import Eviction
 
 SCORES = ("attention", "proxy")
 NOISES = ("redraw", "frozen")

@@ -29,7 +29,8 @@ from mlx_lm.models.cache import create_attention_mask
 from ..attention import attention_geometry
 from ..kernels.kivi_attention import PackedSide, decode_attention, used_keys, used_values
 from ..kernels.kivi_quant import BITS, GROUP_SIZES, quantize_pack
-from .base import CompressedCache, ConfigError, Method, array_bytes, check
+from ..errors import ConfigError, check, is_int
+from .base import CompressedCache, Method, array_bytes
 
 RESIDUAL_POLICIES = ("paper", "grouped")
 VALUE_ROWS_STEP = 256  # spare value rows allocated at a time while decoding
@@ -61,7 +62,7 @@ class Kivi(Method):
         check(self.value_bits is None or self.value_bits in BITS, "kivi.value_bits", allowed + " or None", self.value_bits)
         check(self.group_size in GROUP_SIZES, "kivi.group_size", "one of 32, 64, 128", self.group_size)
         check(self.residual_policy in RESIDUAL_POLICIES, "kivi.residual_policy", "one of 'paper', 'grouped'", self.residual_policy)
-        ok = isinstance(self.residual, int) and not isinstance(self.residual, bool) and self.residual >= 0
+        ok = is_int(self.residual) and self.residual >= 0
         check(ok, "kivi.residual", "an int >= 0", self.residual)
         if self.residual_policy == "paper":
             ok = self.residual > 0 and self.residual % self.group_size == 0

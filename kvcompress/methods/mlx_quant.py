@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from mlx_lm.models.cache import QuantizedKVCache
 
 from ..attention import attention_geometry
-from .base import ConfigError, Method, check
+from ..errors import ConfigError, check
+from .base import Method
 
 
 @dataclass(frozen=True)

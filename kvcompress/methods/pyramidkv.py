@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import check
-from .eviction import is_int
+from ..errors import check, is_int
 from .snapkv import SnapKV
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .base import check
-from .eviction import Eviction, is_int
+from ..errors import check, is_int
+from .eviction import Eviction
 from .counter_hash import mix
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .base import check
-from .eviction import Eviction, is_int
+from ..errors import check, is_int
+from .eviction import Eviction
 from .prompt_scores import folded_logits
 
 POOLINGS = ("max", "avg")

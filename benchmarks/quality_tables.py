@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from tasks.report import connect, format_markdown, run_report
+from kvcompress_reports import connect, run_report
+from kvcompress_reports.render import format_markdown
 
 SUMMARY = ("sweep_id", "protocol", "task", "context_tokens", "config_label", "runs", "score_mean", "score_ci_low",
            "score_ci_high", "kl_mean", "top1_agree", "kv_ratio_to_full")

@@ -24,13 +24,13 @@ PREFECT = [sys.executable, "-m", "prefect"]
 import kvcompress  # noqa: E402,F401
 import pyarrow.dataset as ds  # noqa: E402
 
-from flows.local_server import LocalServer, stop_process_group  # noqa: E402
+from kvcompress_flows.local_server import LocalServer, stop_process_group  # noqa: E402
 
 
 def main(num_samples: int = 6) -> None:
     with LocalServer() as api:
         os.environ["PREFECT_API_URL"] = api
-        from flows.sweep import sweep
+        from kvcompress_flows.sweep import sweep
 
         for pool in ("kvcompress", "kvcompress-shards"):
             subprocess.run([*PREFECT, "work-pool", "create", pool, "--type", "process"], cwd=ROOT, check=True,

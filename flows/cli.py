@@ -23,7 +23,7 @@ def prefect_api():
     if os.environ.get("PREFECT_API_URL"):
         yield os.environ["PREFECT_API_URL"]
         return
-    from flows.local_server import LocalServer
+    from kvcompress_flows.local_server import LocalServer
 
     print("starting a temporary local Prefect server (set PREFECT_API_URL to use yours)", file=sys.stderr)
     with LocalServer() as api:
@@ -45,8 +45,8 @@ def cmd_sweep(args) -> int:
         return 0
     check_root(args.results)  # before the model loads: a bad root fails here, once
     with prefect_api():
-        from flows.sweep import sweep
-        from tasks.report import render_reports
+        from kvcompress_flows.sweep import sweep
+        from kvcompress_reports.render import render_reports
 
         sweep(grid=args.grid, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
               shard_timeout_s=args.shard_timeout)
@@ -55,13 +55,14 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from tasks.report import DEFAULT_REPORTS, render_reports, sql_file
+    from kvcompress_reports.db import DEFAULT_REPORTS, check_report
+    from kvcompress_reports.render import render_reports
 
     for name in args.sql or ():
-        sql_file(name)  # an unknown report name fails before any query
+        check_report(name)  # an unknown report name fails before any query
     print(render_reports(args.results, args.sql or DEFAULT_REPORTS, args.baseline))
     if args.html:
-        from tasks.html_report import write_html
+        from kvcompress_reports.html_report import write_html
 
         print(f"wrote {write_html(args.results, args.html, baseline=args.baseline)}")
     return 0
@@ -107,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="print the DuckDB reports over the results")
     r.add_argument("--results", default=None, help=results_help)
-    r.add_argument("--sql", action="append", help="a report name (sql/NAME.sql) or .sql file; repeatable")
+    r.add_argument("--report", "--sql", dest="sql", action="append",
+                   help="a report name (sql/NAME.sql) or .sql file; repeatable")
     r.add_argument("--html", default=None, help="also write a self-contained HTML report here")
     r.add_argument("--baseline", default=None,
                    help="a config_label the paired report also compares every config with (e.g. 'h2o budget=0.5')")

@@ -2,8 +2,8 @@
 
 Prefect's own ephemeral mode (no `PREFECT_API_URL`) starts a temporary API server that outlives
 a `kill -9` of its parent (PLATFORM.md: uvicorn with PPID 1, still listening). Here the server runs
-under a small watchdog (`python -m flows.local_server`) whose stdin is a pipe from the parent: when
-the parent exits, however it exits, the pipe closes and the watchdog stops the server's whole
+under a small watchdog (`python -m kvcompress_flows.local_server`) whose stdin is a pipe from the
+parent: when the parent exits, however it exits, the pipe closes and the watchdog stops the server's whole
 process group (SIGTERM, then SIGKILL after a grace period). Used by `kvcompress sweep` when no
 server is configured, and by the tests; `scripts/prefect_local.sh` runs long-lived servers.
 
@@ -74,11 +74,10 @@ class LocalServer:
 
     def start(self) -> str:
         out = open(self.log, "w") if self.log else subprocess.DEVNULL
-        command = [sys.executable, "-m", "flows.local_server", self.host, str(self.port), "ui" if self.ui else "no-ui"]
+        command = [sys.executable, "-m", "kvcompress_flows.local_server", self.host, str(self.port), "ui" if self.ui else "no-ui"]
         # the dashboard's JavaScript calls the API at PREFECT_UI_API_URL (default: port 4200)
         env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": self.api_url}
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                     cwd=Path(__file__).resolve().parent.parent)
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.start_timeout_s
         while not healthy(self.api_url):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow
 
 from kvcompress.results import validate_sweep_id
-from tasks.sweep import run_shard
+from kvcompress_tasks.sweep import run_shard
 
 
 @flow(name="sweep-shard")

@@ -20,10 +20,10 @@ from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
 from kvcompress.results import check_root, default_root, finished_run_ids, validate_sweep_id
-from tasks.datasets import load_dataset
-from tasks.regression import regression_report
-from tasks.report import artifact_key, publish_artifacts, report
-from tasks.sweep import plan_sweep, run_shard
+from kvcompress_tasks.datasets import load_dataset
+from kvcompress_tasks.regression import regression_report
+from kvcompress_tasks.report import artifact_key, publish_artifacts, report
+from kvcompress_tasks.sweep import plan_sweep, run_shard
 
 SHARD_DEPLOYMENT = "sweep-shard/shard"
 

@@ -23,17 +23,28 @@ A spec (YAML file, built-in name or dict):
 Axes are per method, so a tau schedule multiplies keyformer cells only and bits multiply
 quantizer cells only. An axis whose values are mappings sets several parameters together (a tau
 schedule). A shard is one dataset sample with every method cell: one prefill serves them all.
+
+The spec is a pydantic model: the structure (keys, types) is checked when it is parsed, with
+errors naming the field (`datasets[0].seed: expected a valid integer, got 'x'`), and
+`SweepSpec.model_json_schema()` is the grid's JSON Schema for editors (`kvcompress grid-schema`).
+Values are then checked by the configs they build (`methods[1] (kivi {'bits': 3}): kivi.bits:
+expected one of (2, 4), got 3`), every invalid cell at once, when the spec is planned. A spec is
+planned once (`SweepSpec.plan`, cached): the validated method configs and the shards that carry
+them as objects. JSON appears only at the Prefect edge (`Shard.to_dict` / `from_dict`, for a shard
+sent to another worker) and in the results' `config` column.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Annotated, Any, Mapping
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from . import datasets
 from .errors import ConfigError
@@ -61,23 +72,43 @@ class SweepError(ConfigError):
             super().__init__(f"{len(errors)} invalid settings; nothing was run:\n  " + "\n  ".join(errors))
 
 
-@dataclass(frozen=True)
-class DatasetAxis:
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-    context_tokens: tuple[int, ...] = (1024,)
-    num_samples: int = 1
+def _as_list(value: Any) -> Any:
+    """A scalar axis value means a one-value axis (`context_tokens: 1024` is `[1024]`)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _list_of(item: Any) -> Any:
+    """A list of `item`, also written as one scalar in the YAML."""
+    return Annotated[list[item], BeforeValidator(_as_list, json_schema_input_type=item | list[item])]
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors and values keep their YAML types (no "2" -> 2, no true -> 1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class DatasetAxis(_Strict):
+    """One dataset of the grid, at one or more context lengths."""
+
+    name: str = Field(description="dataset name (see kvcompress.datasets)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the dataset's own parameters")
+    context_tokens: _list_of(int) = Field(default=[1024], description="prompt + answer budget, model tokens")
+    num_samples: int | None = Field(default=1, description="samples (contexts) per context length")
     seed: int = 0
 
     def loader_params(self, context_tokens: int) -> dict[str, Any]:
         return {**self.params, "context_tokens": context_tokens, "num_samples": self.num_samples, "seed": self.seed}
 
 
-@dataclass(frozen=True)
-class MethodAxis:
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-    grid: dict[str, list] = field(default_factory=dict)
+class MethodAxis(_Strict):
+    """One method of the grid: fixed `params`, and `grid` axes that multiply this method's cells only."""
+
+    name: str = Field(description="method name (`kvcompress methods`)")
+    params: dict[str, Any] = Field(default_factory=dict, description="parameters every cell of this method has")
+    grid: dict[str, _list_of(Any)] = Field(
+        default_factory=dict,
+        description="axis name -> values; a mapping value sets several parameters together (a tau schedule)")
 
     def cells(self) -> list[dict[str, Any]]:
         """Parameter dicts of every cell: fixed params updated by one value of each axis."""
@@ -91,68 +122,118 @@ class MethodAxis:
 @dataclass(frozen=True)
 class Shard:
     """One dataset (at one context length) context: its rows sample_index .. sample_index + rows - 1
-    (several questions about one context, or one sample), with every method cell and protocol."""
+    (several questions about one context, or one sample), with every method cell (validated
+    configs) and protocol."""
 
     dataset: str
-    dataset_params: dict[str, Any]
+    dataset_params: Mapping[str, Any]
     sample_index: int
     methods: tuple[Method, ...]
     protocols: tuple[str, ...] = ("query_aware",)
     rows: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON form (what Prefect tasks take and `kvcompress.execute` reads)."""
+        """Plain JSON form, for the Prefect edge only (a shard sent to another worker's flow run)."""
         return {
             "dataset": self.dataset,
-            "dataset_params": json.dumps(self.dataset_params, sort_keys=True),
+            "dataset_params": dict(self.dataset_params),
             "sample_index": self.sample_index,
-            "methods": [m.to_json() for m in self.methods],
+            "methods": [m.to_dict() for m in self.methods],
             "protocols": list(self.protocols),
             "rows": self.rows,
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Shard":
+        """The shard `to_dict` wrote (its method configs validated again: they crossed a process)."""
+        methods = tuple(method_config(**m) for m in data["methods"])
+        return cls(data["dataset"], MappingProxyType(dict(data["dataset_params"])), data["sample_index"], methods,
+                   tuple(data.get("protocols") or ("query_aware",)), data.get("rows", 1))
+
 
 @dataclass(frozen=True)
-class SweepSpec:
+class Plan:
+    """A validated, expanded spec: what a sweep runs."""
+
     name: str
+    model: str
+    decode_steps: int | None
+    run_timeout_s: float | None
+    protocols: tuple[str, ...]
+    methods: tuple[Method, ...]
+    shards: tuple[Shard, ...]
+
+    @property
+    def runs(self) -> int:
+        return sum(s.rows for s in self.shards) * len(self.methods) * len(self.protocols)
+
+    def estimate(self) -> dict[str, Any]:
+        """Cells, shards and a rough CPU time for `--dry-run`."""
+        prefill_tokens = sum(s.dataset_params["context_tokens"] for s in self.shards)
+        # reference decode + per method and protocol a teacher-forced and a free-running decode
+        # (answers end at EOS, usually well before the budget: 32 tokens each is a rough guess)
+        steps = self.decode_steps or 32
+        rows = sum(s.rows for s in self.shards)
+        decode_tokens = rows * steps * (1 + 2 * len(self.methods) * len(self.protocols))
+        seconds = prefill_tokens / PREFILL_TOK_S + decode_tokens / DECODE_TOK_S
+        return {"runs": self.runs, "shards": len(self.shards), "methods": len(self.methods),
+                "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "estimated_cpu_s": round(seconds)}
+
+
+class SweepSpec(_Strict):
+    """A sweep grid (YAML). `kvcompress grid-schema` prints its JSON Schema."""
+
+    name: str = Field(default="sweep", description="the sweep id unless --sweep-id / sweep_id is given")
     model: str = "smollm2-135m"
-    decode_steps: int | None = None  # cap on the reference answer; None: EOS or the task's answer budget
-    protocol: tuple[str, ...] = ("query_aware",)
-    run_timeout_s: float | None = 1800.0  # per method run; a slower run is recorded as "timeout"
-    allow_beyond_window: bool = False  # run contexts longer than the model was trained on (marked)
-    datasets: tuple[DatasetAxis, ...] = ()
-    methods: tuple[MethodAxis, ...] = ()
+    decode_steps: int | None = Field(
+        default=None, description="cap on the reference answer; null: EOS or the task's answer budget")
+    protocol: _list_of(str) = Field(default=["query_aware"], description=f"any of {list(PROTOCOLS)}")
+    run_timeout_s: float | None = Field(default=1800.0, description="per method run; a slower run is recorded as timeout")
+    allow_beyond_window: bool = Field(default=False, description="run contexts longer than the model's window (marked)")
+    datasets: list[DatasetAxis] = Field(default_factory=list)
+    methods: list[MethodAxis] = Field(default_factory=list)
+
+    def plan(self) -> Plan:
+        """Validate every cell (a SweepError lists all invalid ones) and expand; once per spec."""
+        return self._plan
 
     def method_configs(self) -> list[Method]:
         """Every method cell as a validated config; raises SweepError listing all invalid cells."""
-        return self._expand()
+        return list(self.plan().methods)
 
     def shards(self) -> list[Shard]:
-        methods = self._expand()
+        return list(self.plan().shards)
+
+    def estimate(self) -> dict[str, Any]:
+        return self.plan().estimate()
+
+    @cached_property
+    def _plan(self) -> Plan:
+        configs = self._validate()
         shards = []
         for axis in self.datasets:
             for length in axis.context_tokens:
-                config = datasets.dataset_config(axis.name, axis.loader_params(length))
+                params = MappingProxyType(axis.loader_params(length))
+                config = datasets.dataset_config(axis.name, dict(params))
                 per_context = config.rows_per_context
-                shards += [Shard(axis.name, axis.loader_params(length), index, tuple(methods), tuple(self.protocol),
-                                 per_context) for index in range(0, config.row_count(), per_context)]
-        return shards
+                shards += [Shard(axis.name, params, index, configs, tuple(self.protocol), per_context)
+                           for index in range(0, config.row_count(), per_context)]
+        return Plan(self.name, self.model, self.decode_steps, self.run_timeout_s, tuple(self.protocol), configs,
+                    tuple(shards))
 
-    def _expand(self) -> list[Method]:
+    def _validate(self) -> tuple[Method, ...]:
         errors: list[str] = []
         try:
             validate_sweep_id(self.name, "name")
         except ConfigError as exc:
             errors.append(str(exc))
-        if not isinstance(self.allow_beyond_window, bool):
-            errors.append(f"allow_beyond_window: expected true or false, got {self.allow_beyond_window!r}")
         window = self.context_window()
-        if self.decode_steps is not None and not (isinstance(self.decode_steps, int) and 1 <= self.decode_steps <= 4096):
+        if self.decode_steps is not None and not 1 <= self.decode_steps <= 4096:
             errors.append(f"decode_steps: expected an int in [1, 4096] or null (no cap), got {self.decode_steps!r}")
         if not self.protocol or any(p not in PROTOCOLS for p in self.protocol) or len(set(self.protocol)) < len(self.protocol):
             errors.append(f"protocol: expected a non-empty list of distinct values from {list(PROTOCOLS)}, "
                           f"got {list(self.protocol)!r}")
-        if self.run_timeout_s is not None and not (isinstance(self.run_timeout_s, (int, float)) and self.run_timeout_s > 0):
+        if self.run_timeout_s is not None and not self.run_timeout_s > 0:
             errors.append(f"run_timeout_s: expected a number of seconds > 0 or null, got {self.run_timeout_s!r}")
         if not self.datasets:
             errors.append("datasets: expected at least one dataset")
@@ -164,7 +245,7 @@ class SweepSpec:
                     datasets.validate(axis.name, axis.loader_params(length))
                 except ConfigError as exc:
                     errors.append(f"datasets[{i}] ({axis.name}): {exc}")
-                if window and isinstance(length, int) and length > window and self.allow_beyond_window is not True:
+                if window and length > window and not self.allow_beyond_window:
                     errors.append(f"datasets[{i}] ({axis.name}).context_tokens: expected at most {window} (the "
                                   f"context window of {self.model}), got {length}; set `allow_beyond_window: true` "
                                   f"to run it anyway (its runs are marked)")
@@ -175,11 +256,11 @@ class SweepSpec:
                     configs.append(method_config(axis.name, **params))
                 except (ConfigError, TypeError) as exc:
                     errors.append(f"methods[{i}] ({axis.name} {params}): {exc}")
-        duplicates = {c.to_json() for c in configs if sum(d == c for d in configs) > 1}
+        duplicates = {c.label() for c in configs if sum(d == c for d in configs) > 1}
         errors += [f"methods: duplicate cell {d}" for d in sorted(duplicates)]
         if errors:
             raise SweepError(errors)
-        return configs
+        return tuple(configs)
 
     def context_window(self) -> int | None:
         """The model's context window (None when unknown offline; a bad model name is the loader's error)."""
@@ -188,62 +269,65 @@ class SweepSpec:
         except ConfigError:
             return None
 
-    def estimate(self) -> dict[str, Any]:
-        """Cells, shards and a rough CPU time for `--dry-run`."""
-        methods, shards = self.method_configs(), self.shards()
-        prefill_tokens = sum(s.dataset_params["context_tokens"] for s in shards)
-        # reference decode + per method and protocol a teacher-forced and a free-running decode
-        # (answers end at EOS, usually well before the budget: 32 tokens each is a rough guess)
-        steps = self.decode_steps or 32
-        rows = sum(s.rows for s in shards)
-        decode_tokens = rows * steps * (1 + 2 * len(methods) * len(self.protocol))
-        seconds = prefill_tokens / PREFILL_TOK_S + decode_tokens / DECODE_TOK_S
-        return {"runs": rows * len(methods) * len(self.protocol), "shards": len(shards), "methods": len(methods),
-                "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "estimated_cpu_s": round(seconds)}
+
+def _where(loc: tuple) -> str:
+    """A pydantic error location as the grid writes it: ("datasets", 0, "seed") -> datasets[0].seed."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
 
 
-def _as_tuple(value) -> tuple:
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys allowed where `loc` points (the model found by walking the spec's fields)."""
+    model: type[BaseModel] = SweepSpec
+    for part in loc:
+        if isinstance(part, str) and part in model.model_fields:
+            inner = model.model_fields[part].annotation
+            args = getattr(inner, "__args__", ())
+            model = next((a for a in (inner, *args) if isinstance(a, type) and issubclass(a, BaseModel)), model)
+    return sorted(model.model_fields)
 
 
-def _mapping(d: Any, allowed: set[str], where: str, named: bool = True) -> dict:
-    """`d` as a mapping with only `allowed` keys (and a `name` when `named`), else a SweepError."""
-    if not isinstance(d, dict):
-        raise SweepError([f"{where}: expected a mapping, got {d!r}"])
-    unknown = sorted(set(d) - allowed)
-    if unknown:
-        raise SweepError([f"{where}.{unknown[0]}: unknown key; allowed: {sorted(allowed)}"])
-    if named and "name" not in d:
-        raise SweepError([f"{where}.name: required"])
-    return d
+def _messages(exc: ValidationError) -> list[str]:
+    """One line per pydantic error, naming the field and what it allows."""
+    lines = []
+    for error in exc.errors():
+        loc, kind = error["loc"], error["type"]
+        if kind == "extra_forbidden":
+            where = _where(loc[:-1]) or "sweep"
+            lines.append(f"{where}.{loc[-1]}: unknown key; allowed: {_allowed_keys(loc[:-1])}")
+        elif kind == "missing":
+            lines.append(f"{_where(loc)}: required")
+        else:
+            message = error["msg"].removeprefix("Input should be ").removeprefix("an ")
+            lines.append(f"{_where(loc) or 'sweep'}: expected {message}, got {error.get('input')!r}")
+    return lines
 
 
-def parse_spec(data: dict[str, Any]) -> SweepSpec:
-    """Build a spec from a mapping, rejecting unknown keys with their allowed names."""
-    top = _mapping(data, {"name", "model", "decode_steps", "protocol", "run_timeout_s", "allow_beyond_window",
-                          "datasets", "methods"}, "sweep", named=False)
-    dataset_axes = []
-    for i, raw in enumerate(top.get("datasets") or []):
-        d = _mapping(raw, {"name", "params", "context_tokens", "num_samples", "seed"}, f"datasets[{i}]")
-        dataset_axes.append(DatasetAxis(
-            name=d["name"], params=dict(d.get("params") or {}),
-            context_tokens=_as_tuple(d.get("context_tokens", 1024)),
-            num_samples=d.get("num_samples", 1), seed=d.get("seed", 0),
-        ))
-    method_axes = []
-    for i, raw in enumerate(top.get("methods") or []):
-        m = _mapping(raw, {"name", "params", "grid"}, f"methods[{i}]")
-        method_axes.append(MethodAxis(name=m["name"], params=dict(m.get("params") or {}),
-                                      grid={k: list(_as_tuple(v)) for k, v in (m.get("grid") or {}).items()}))
-    return SweepSpec(name=str(top.get("name", "sweep")), model=top.get("model", "smollm2-135m"),
-                     decode_steps=top.get("decode_steps"),
-                     protocol=_as_tuple(top.get("protocol", "query_aware")), run_timeout_s=top.get("run_timeout_s", 1800.0),
-                     allow_beyond_window=top.get("allow_beyond_window", False), datasets=tuple(dataset_axes),
-                     methods=tuple(method_axes))
+def parse_spec(data: Any) -> SweepSpec:
+    """Build a spec from a mapping; a SweepError lists every structural error (unknown keys with
+    the allowed names, missing names, wrong types)."""
+    if not isinstance(data, dict):
+        raise SweepError([f"sweep: expected a mapping, got {data!r}"])
+    try:
+        return SweepSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SweepError(_messages(exc)) from None
 
 
-def load_spec(source: str | dict[str, Any]) -> SweepSpec:
-    """A spec from a dict, a YAML path, or a built-in grid name (kvcompress/grids/NAME.yaml)."""
+def grid_schema() -> dict[str, Any]:
+    """The JSON Schema of a grid file (for editors: yaml-language-server, VS Code, ...)."""
+    schema = SweepSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "kvcompress sweep grid"
+    return schema
+
+
+def load_spec(source: str | dict[str, Any] | SweepSpec) -> SweepSpec:
+    """A spec from a parsed spec, a dict, a YAML path, or a built-in grid name (kvcompress/grids/NAME.yaml)."""
+    if isinstance(source, SweepSpec):
+        return source
     if isinstance(source, dict):
         return parse_spec(source)
     path = Path(source)

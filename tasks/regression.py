@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-import re
-
-import pyarrow as pa
-
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from kvcompress.results import write_table
-from tasks.report import SQL_DIR, artifact_key, connect, format_markdown
-
-NIGHTLY_ID = re.compile(r"^(?P<grid>.+)-\d{8}-\d{6}$")  # <grid name>-YYYYmmdd-HHMMSS (UTC)
-
-
-def previous_sweep(con, sweep_id: str) -> str | None:
-    """The latest earlier sweep of the same grid (ids sort by time), or None."""
-    match = NIGHTLY_ID.match(sweep_id)
-    if match is None:
-        return None
-    ids = [r[0] for r in con.execute("SELECT DISTINCT sweep_id FROM runs").fetchall()]
-    earlier = [s for s in ids if s < sweep_id and (m := NIGHTLY_ID.match(s)) and m["grid"] == match["grid"]]
-    return max(earlier, default=None)
-
-
-def compare(con, sweep_a: str, sweep_b: str) -> pa.Table:
-    """sql/regression.sql over sql/compare_sweeps.sql for the two sweeps."""
-    con.execute("SET VARIABLE sweep_a = ?", [sweep_a])
-    con.execute("SET VARIABLE sweep_b = ?", [sweep_b])
-    comparison = (SQL_DIR / "compare_sweeps.sql").read_text().strip().rstrip(";")
-    con.execute(f"CREATE OR REPLACE TEMP VIEW sweep_comparison AS {comparison}")
-    return con.sql((SQL_DIR / "regression.sql").read_text()).to_arrow_table()
+from kvcompress_reports import connect
+from kvcompress_reports.regression import compare, previous_sweep
+from kvcompress_reports.render import format_markdown
+from kvcompress_tasks.report import artifact_key
 
 
 @task(name="regression-report", cache_policy=NO_CACHE)

@@ -1,177 +1,13 @@
-"""DuckDB reports over the results Parquet: views from sql/views.sql and sql/run_scores.sql,
-one report per sql/NAME.sql. The library never imports DuckDB; reports live here and in sql/."""
+"""Prefect tasks over the reports layer (kvcompress_reports): a sweep's summary rows, and its
+reports published as artifacts (shown under the flow run in Prefect's dashboard)."""
 
 from __future__ import annotations
 
-import math
-import re
-import warnings
-from pathlib import Path
-
-import duckdb
-import pyarrow as pa
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from kvcompress.errors import ConfigError
-from kvcompress.results import TABLES, default_root, readable_files
-from kvcompress.stats import compare
-
-SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
-VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
-DEFAULT_REPORTS = ("summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps")
-
-
-def connect(results: str | None = None, baseline: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with the `runs`, `steps` and `run_scores` views over `results`;
-    `baseline` (a config_label) is the second reference of the `paired` report.
-
-    Only files that read as Parquet are viewed: each one that does not is named in one warning
-    (`kvcompress check --repair` moves them aside). No runs at all is a `ConfigError` with a hint."""
-    root = (results or default_root()).rstrip("/")
-    con = duckdb.connect()
-    con.execute("SET VARIABLE kv_results = ?", [root])
-    con.execute("SET VARIABLE baseline = ?", [baseline])
-    files = {}
-    for table in TABLES:
-        files[table], broken = readable_files(root, table)
-        for problem in broken:
-            warnings.warn(f"skipping {problem.path}: {problem.reason} (see `kvcompress check`)", stacklevel=2)
-    if not files["runs"]:
-        raise ConfigError(f"results: no runs under {root!r}: run `kvcompress sweep` first, or pass --results")
-    for table, paths in files.items():
-        if paths:
-            con.execute(f"SET VARIABLE kv_{table}_files = ?", [paths])
-    for statement in (SQL_DIR / "views.sql").read_text().split(";\n"):  # one view per table
-        view = re.search(r"CREATE OR REPLACE VIEW (\w+) AS", statement)
-        if view and not files[view.group(1)]:  # e.g. only failed runs so far: no steps files
-            con.register(f"empty_{view.group(1)}", _empty(view.group(1)))
-            statement = f"CREATE OR REPLACE VIEW {view.group(1)} AS SELECT * FROM empty_{view.group(1)}"
-        if statement.strip():
-            con.execute(statement)
-    for name in VIEW_FILES[1:]:
-        con.execute((SQL_DIR / name).read_text())
-    return con
-
-
-def _empty(table: str) -> pa.Table:
-    """An empty table with the schema of `table` and its hive partition columns."""
-    schema = TABLES[table].append(pa.field("sweep_id", pa.string())).append(pa.field("method", pa.string()))
-    return schema.empty_table()
-
-
-def sql_file(name_or_path: str) -> Path:
-    """A report by name (sql/NAME.sql) or by path; a `ConfigError` listing the names otherwise."""
-    path = Path(name_or_path)
-    if path.suffix == ".sql":
-        if path.exists():
-            return path
-        raise ConfigError(f"--sql: no such file {name_or_path!r}")
-    path = SQL_DIR / f"{name_or_path}.sql"
-    if not path.exists() or name_or_path in ("views", "run_scores"):
-        names = sorted(p.stem for p in SQL_DIR.glob("*.sql") if p.name not in VIEW_FILES)
-        raise ConfigError(f"--sql: expected a .sql file or one of {names}, got {name_or_path!r}")
-    return path
-
-
-def run_report(con: duckdb.DuckDBPyConnection, name_or_path: str) -> tuple[list[str], list[tuple]]:
-    """(column names, rows) of a report's final statement (`paired`: its statistics)."""
-    relation = con.sql(sql_file(name_or_path).read_text())
-    columns, rows = relation.columns, relation.fetchall()
-    if sql_file(name_or_path).stem == "paired":
-        return paired_statistics(columns, rows)
-    return columns, rows
-
-
-PAIRED_COLUMNS = [
-    "sweep_id", "protocol", "dataset", "task", "context_tokens", "config_label", "n", "score_mean",
-    "score_full_mean", "diff_vs_full", "diff_vs_full_ci_low", "diff_vs_full_ci_high", "mcnemar_p_vs_full",
-    "vs_full", "n_baseline", "diff_vs_baseline", "diff_vs_baseline_ci_low", "diff_vs_baseline_ci_high",
-    "mcnemar_p_vs_baseline", "vs_baseline",
-]
-
-
-def paired_statistics(columns: list[str], rows: list[tuple]) -> tuple[list[str], list[tuple]]:
-    """Per config x cell, from sql/paired.sql's rows: paired differences vs the full cache and vs
-    the baseline with bootstrap CIs, exact McNemar p (0/1 scores), n, and a verdict that says
-    "not distinguishable" when the CI spans 0 (kvcompress/stats.py)."""
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        r = dict(zip(columns, row))
-        key = tuple(r[c] for c in ("sweep_id", "protocol", "dataset", "task", "context_tokens", "config_label"))
-        groups.setdefault(key, []).append(r)
-    out = []
-    for key, runs in groups.items():
-        scored = [r for r in runs if r["score"] is not None]
-        out_row = [*key, len(scored), _mean([r["score"] for r in scored])]
-        for other in ("score_full", "score_baseline"):
-            pairs = [(r["score"], r[other]) for r in scored if r[other] is not None]
-            stats = compare([a for a, _ in pairs], [b for _, b in pairs]) if pairs else None
-            if other == "score_full":
-                out_row.append(_mean([b for _, b in pairs]))
-            else:
-                out_row.append(len(pairs))
-            if stats is None:
-                out_row += [None, None, None, None, None]
-            else:
-                out_row += [stats.diff_mean, stats.ci_low, stats.ci_high, stats.mcnemar_p, stats.verdict]
-        out.append(tuple(out_row))
-    return PAIRED_COLUMNS, out
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def format_cell(value) -> str:
-    """How every report shows a value: '-' for missing, 4 significant digits for floats."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def format_table(columns: list[str], rows: list[tuple]) -> str:
-    """A plain-text table: right-aligned values, 4 significant digits for floats."""
-    body = [[format_cell(v) for v in row] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in body)) if body else len(c) for i, c in enumerate(columns)]
-    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line, rule, *("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in body)])
-
-
-def format_markdown(columns: list[str], rows: list[tuple]) -> str:
-    """A GitHub-flavoured Markdown table, cells formatted as in the terminal."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(format_cell(v).replace("|", "\\|") for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def render_reports(results: str | None = None, reports=DEFAULT_REPORTS, baseline: str | None = None) -> str:
-    """Every report as a terminal table, titled with its name and row count."""
-    con = connect(results, baseline)
-    parts = []
-    for name in reports:
-        columns, rows = run_report(con, name)
-        parts.append(f"== {Path(name).stem} ({len(rows)} rows)\n{format_table(columns, rows)}")
-    return "\n\n".join(parts)
-
-
-def sweep_reports(results: str | None, sweep_id: str, reports=DEFAULT_REPORTS,
-                  baseline: str | None = None) -> dict[str, tuple[list[str], list[tuple]]]:
-    """Each report's (columns, rows) restricted to one sweep; compare_sweeps sets it against the
-    sweep that ran before it (the report's default when sweep_a is unset)."""
-    con = connect(results, baseline)
-    con.execute("SET VARIABLE sweep_b = ?", [sweep_id])
-    out = {}
-    for name in reports:
-        columns, rows = run_report(con, name)
-        if "sweep_id" in columns:
-            index = columns.index("sweep_id")
-            rows = [r for r in rows if r[index] == sweep_id]
-        out[Path(name).stem] = (columns, rows)
-    return out
+from kvcompress_reports import DEFAULT_REPORTS, connect, run_report, sweep_reports
+from kvcompress_reports.render import artifact_cell, format_markdown
 
 
 def artifact_key(sweep_id: str, report_name: str) -> str:
@@ -188,20 +24,13 @@ def publish_artifacts(results: str | None, sweep_id: str, reports=DEFAULT_REPORT
         key = artifact_key(sweep_id, name)
         description = f"{name} report of sweep {sweep_id} ({len(rows)} rows)"
         if name == "summary":
-            table = [{c: _artifact_cell(v) for c, v in zip(columns, r)} for r in rows]
+            table = [{c: artifact_cell(v) for c, v in zip(columns, r)} for r in rows]
             create_table_artifact(table=table, key=key, description=description)
         else:
             create_markdown_artifact(markdown=f"### {name}\n\n{format_markdown(columns, rows)}\n",
                                      key=key, description=description)
         keys[name] = key
     return keys
-
-
-def _artifact_cell(value):
-    """Table artifacts take JSON scalars; floats rounded as shown in the terminal."""
-    if isinstance(value, float):
-        return None if math.isnan(value) else float(format_cell(value))
-    return value if isinstance(value, (int, str, bool)) or value is None else str(value)
 
 
 @task(name="report")

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 _prefect_home = Path(tempfile.mkdtemp(prefix="kvcompress-prefect-"))
 
-from flows.local_server import free_port  # noqa: E402  (imports nothing of Prefect)
+from kvcompress_flows.local_server import free_port  # noqa: E402  (imports nothing of Prefect)
 
 PREFECT_PORT = free_port()
 os.environ["PREFECT_HOME"] = str(_prefect_home)
@@ -36,7 +36,7 @@ def embedded():
 def prefect_server():
     """A real Prefect server with its dashboard (SQLite in a temp PREFECT_HOME, 127.0.0.1), started
     once per session, under the watchdog that stops it with this process however the session ends."""
-    from flows.local_server import LocalServer
+    from kvcompress_flows.local_server import LocalServer
 
     server = LocalServer(port=PREFECT_PORT, log=_prefect_home / "server.log", ui=True)
     yield server.start()

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def kvcompress(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvcompress_flows.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -77,8 +77,8 @@ def test_report_errors_are_one_line_with_a_hint(tmp_path):
     assert one_line_error(kvcompress("report", "--results", str(tmp_path / "nothing"))).startswith(
         f"error: results: no runs under '{tmp_path / 'nothing'}': run `kvcompress sweep` first")
     root, _, _ = _broken_results(tmp_path)
-    line = one_line_error(kvcompress("report", "--results", str(root), "--sql", "nosuch"))
-    assert line.startswith("error: --sql: expected a .sql file or one of [") and "'summary'" in line
+    line = one_line_error(kvcompress("report", "--results", str(root), "--report", "nosuch"))
+    assert line.startswith("error: --report: expected a .sql file or one of [") and "'summary'" in line
 
 
 def test_report_warns_about_broken_files_and_check_repair_moves_them(tmp_path):
@@ -113,7 +113,7 @@ def test_server_binds_loopback_by_default_and_serves_other_machines_when_asked(t
     """The README's multi-machine recipe as far as one box allows: the script's server bound with
     PREFECT_SERVER_HOST=0.0.0.0, a worker started with http://HOST:PORT/api (HOST an interface
     address, not loopback) registers with it; without the variable that address is refused."""
-    from flows.local_server import free_port, healthy, stop_process_group
+    from kvcompress_flows.local_server import free_port, healthy, stop_process_group
 
     address, port = _interface_address(), free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from flows.local_server import stop_process_group
+from kvcompress_flows.local_server import stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -85,7 +85,7 @@ def test_deployment_run_completes_and_writes_queryable_results(smoke_run):
     # the full cache, derived from the shared prefill, reproduces the reference exactly
     assert all(s["kl"] == 0.0 and s["top1_agree"] for s in steps if s["method"] == "full")
 
-    from tasks.report import connect, run_report
+    from kvcompress_reports import connect, run_report
 
     columns, rows = run_report(connect(str(results)), "summary")
     summary = {r[columns.index("method")]: dict(zip(columns, r)) for r in rows}
@@ -160,7 +160,7 @@ def test_killed_sweep_resumes_with_every_run_exactly_once_and_leaves_no_server(t
     results = tmp_path / "results"
     home = tmp_path / "prefect-home"
     env = {**os.environ, "PREFECT_API_URL": "", "PREFECT_HOME": str(home)}  # in-process: a temporary server
-    cmd = [sys.executable, "-m", "flows.cli", "sweep", "smoke", "--results", str(results)]
+    cmd = [sys.executable, "-m", "kvcompress_flows.cli", "sweep", "smoke", "--results", str(results)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while not list(results.glob("runs/**/*.parquet")):
@@ -187,7 +187,7 @@ def test_two_shard_workers_split_a_sweep_with_results_identical_to_inline(deploy
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
-    from flows.sweep import sweep
+    from kvcompress_flows.sweep import sweep
 
     env = {**deployed, "PREFECT_WORKER_QUERY_SECONDS": "1"}
     logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
@@ -237,7 +237,7 @@ def test_sigkilled_shard_worker_then_rerun_leaves_every_run_exactly_once(deploye
         "methods": [{"name": "full"}, {"name": "streaming", "grid": {"budget": [64]}}],
     }))
     results = tmp_path / "results"
-    sweep_cmd = [sys.executable, "-m", "flows.cli", "sweep", str(grid), "--results", str(results),
+    sweep_cmd = [sys.executable, "-m", "kvcompress_flows.cli", "sweep", str(grid), "--results", str(results),
                  "--distribute", "--shard-timeout", "150"]  # from submission: covers a slow first shard
 
     def shard_worker(name: str) -> subprocess.Popen:
@@ -272,7 +272,7 @@ def test_shard_task_fails_at_once_on_a_config_error(prefect_server, tmp_path):
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from tasks.sweep import run_shard
+    from kvcompress_tasks.sweep import run_shard
 
     shard = {"dataset": "passkey", "dataset_params": json.dumps({"context_tokens": 256}), "sample_index": 0,
              "methods": []}

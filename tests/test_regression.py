@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 import pyarrow.parquet as pq
 
 from kvcompress.results import write_run
-from tasks.regression import compare, previous_sweep
-from tasks.report import connect
+from kvcompress_reports.regression import compare, previous_sweep
+from kvcompress_reports import connect
 from tests.test_results import make_run, make_steps
 
 
@@ -57,7 +57,7 @@ def test_regression_flags_score_drop_kl_rise_and_memory_change_only(tmp_path):
 def test_nightly_flow_publishes_regression_against_previous_night(prefect_server, tmp_path, embedded):
     from prefect.client.orchestration import get_client
 
-    from flows.sweep import sweep
+    from kvcompress_flows.sweep import sweep
 
     results = str(tmp_path / "results")
     grid = {"name": "nightly-test", "decode_steps": 2,

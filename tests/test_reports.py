@@ -99,13 +99,13 @@ def fixture_results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def con(fixture_results):
-    from tasks.report import connect
+    from kvcompress_reports import connect
 
     return connect(fixture_results[0])
 
 
 def report_records(con, name):
-    from tasks.report import run_report
+    from kvcompress_reports import run_report
 
     columns, rows = run_report(con, name)
     return [dict(zip(columns, r)) for r in rows]
@@ -295,7 +295,8 @@ def test_compare_sweeps_explicit_and_default(fixture_results, con):
 
 
 def test_render_reports_prints_every_report(fixture_results):
-    from tasks.report import DEFAULT_REPORTS, render_reports
+    from kvcompress_reports import DEFAULT_REPORTS
+    from kvcompress_reports.render import render_reports
 
     text = render_reports(fixture_results[0])
     titles = re.findall(r"^== (\w+) \((\d+) rows\)$", text, flags=re.M)
@@ -312,7 +313,7 @@ def _png_pixels(data: bytes):
 
 
 def test_html_report_in_headless_chromium(fixture_results, tmp_path):
-    from tasks.html_report import write_html
+    from kvcompress_reports.html_report import write_html
 
     page = write_html(fixture_results[0], str(tmp_path / "report.html"))
     text = page.read_text()
@@ -348,7 +349,7 @@ def test_publish_artifacts_to_a_real_prefect_server(fixture_results):
     from prefect.artifacts import Artifact
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks.report import publish_artifacts
+    from kvcompress_tasks.report import publish_artifacts
 
     @flow
     def publish(results: str, sweep_id: str) -> dict[str, str]:
@@ -372,7 +373,7 @@ def test_publish_artifacts_to_a_real_prefect_server(fixture_results):
 
 def test_write_html_names_the_bad_sweep_or_empty_root(fixture_results, tmp_path):
     from kvcompress.errors import ConfigError
-    from tasks.html_report import write_html
+    from kvcompress_reports.html_report import write_html
 
     with pytest.raises(ConfigError, match=r"sweep_id: expected one of \['s2', 's1'\], got 'nope'"):
         write_html(fixture_results[0], str(tmp_path / "r.html"), sweep_id="nope")
@@ -384,7 +385,7 @@ def test_write_html_names_the_bad_sweep_or_empty_root(fixture_results, tmp_path)
 def test_html_report_handles_configs_tied_on_compression_ratio(tmp_path):
     """Two keyformer tau schedules at the same budget share a ratio (the default sweep has them)."""
     from kvcompress.results import write_run as write
-    from tasks.html_report import write_html as html
+    from kvcompress_reports.html_report import write_html as html
     from tests.test_results import make_run, make_steps
 
     root = str(tmp_path / "results")
@@ -397,7 +398,7 @@ def test_html_report_handles_configs_tied_on_compression_ratio(tmp_path):
 
 
 def test_paired_report_matches_the_summary_and_names_unresolved_differences(fixture_results):
-    from tasks.report import connect, run_report
+    from kvcompress_reports import connect, run_report
 
     con = connect(fixture_results[0])
     columns, rows = run_report(con, "paired")
@@ -423,7 +424,7 @@ def test_paired_report_matches_the_summary_and_names_unresolved_differences(fixt
 
 
 def test_evidence_report_splits_scores_by_evidence_kept(fixture_results):
-    from tasks.report import connect, run_report
+    from kvcompress_reports import connect, run_report
 
     columns, rows = run_report(connect(fixture_results[0]), "evidence")
     records = [dict(zip(columns, r)) for r in rows]

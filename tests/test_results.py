@@ -20,7 +20,7 @@ import pytest
 from kvcompress.errors import ConfigError
 from kvcompress.results import (RUNS_SCHEMA, STEPS_SCHEMA, finished_run_ids, quarantine, run_id, scan,
                                 validate_sweep_id, write_run, write_table)
-from tasks.report import connect, run_report
+from kvcompress_reports import connect, run_report
 
 
 def make_run(rid: str, method: str, score: float, live: int, full: int = 1000, **extra) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flows.cli import main as cli
+from kvcompress_flows.cli import main as cli
 from kvcompress.execute import execute_shard
 from kvcompress.results import finished_run_ids
 from kvcompress.sweep import SweepError, load_spec

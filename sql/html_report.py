@@ -17,7 +17,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from kvcompress.errors import check  # noqa: E402
-from tasks.report import DEFAULT_REPORTS, connect, format_cell, sweep_reports  # noqa: E402
+
+from .db import DEFAULT_REPORTS, sweep_ids, sweep_reports  # noqa: E402
+from .render import format_cell  # noqa: E402
 
 PANEL_INCHES = (4.6, 3.4)
 STYLE = """
@@ -70,14 +72,6 @@ def write_html(results: str | None, path: str, sweep_id: str | None = None, base
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(parts), encoding="utf-8")
     return out
-
-
-def sweep_ids(results: str | None) -> list[str]:
-    """Sweeps under `results`, the one with the newest run first."""
-    rows = connect(results).sql(  # a ConfigError with a hint when there are no runs at all
-        "SELECT sweep_id FROM runs GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
-    ).fetchall()
-    return [r[0] for r in rows]
 
 
 def html_table(columns: list[str], rows: list[tuple]) -> str:

@@ -1,0 +1,163 @@
+"""DuckDB over the results Parquet: the views of views.sql and run_scores.sql, one report per
+NAME.sql (package data of `kvcompress_reports`), and a report's (columns, rows)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from importlib import resources
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from kvcompress.errors import ConfigError
+from kvcompress.results import TABLES, default_root, readable_files
+from kvcompress.stats import compare
+
+VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
+DEFAULT_REPORTS = ("summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps")
+
+
+def connect(results: str | None = None, baseline: str | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB with the `runs`, `steps` and `run_scores` views over `results`;
+    `baseline` (a config_label) is the second reference of the `paired` report.
+
+    Only files that read as Parquet are viewed: each one that does not is named in one warning
+    (`kvcompress check --repair` moves them aside). No runs at all is a `ConfigError` with a hint."""
+    root = (results or default_root()).rstrip("/")
+    con = duckdb.connect()
+    con.execute("SET VARIABLE kv_results = ?", [root])
+    con.execute("SET VARIABLE baseline = ?", [baseline])
+    files = {}
+    for table in TABLES:
+        files[table], broken = readable_files(root, table)
+        for problem in broken:
+            warnings.warn(f"skipping {problem.path}: {problem.reason} (see `kvcompress check`)", stacklevel=2)
+    if not files["runs"]:
+        raise ConfigError(f"results: no runs under {root!r}: run `kvcompress sweep` first, or pass --results")
+    for table, paths in files.items():
+        if paths:
+            con.execute(f"SET VARIABLE kv_{table}_files = ?", [paths])
+    for statement in sql_text("views").split(";\n"):  # one view per table
+        view = re.search(r"CREATE OR REPLACE VIEW (\w+) AS", statement)
+        if view and not files[view.group(1)]:  # e.g. only failed runs so far: no steps files
+            con.register(f"empty_{view.group(1)}", _empty(view.group(1)))
+            statement = f"CREATE OR REPLACE VIEW {view.group(1)} AS SELECT * FROM empty_{view.group(1)}"
+        if statement.strip():
+            con.execute(statement)
+    for name in VIEW_FILES[1:]:
+        con.execute(_packaged(name).read_text())
+    return con
+
+
+def _empty(table: str) -> pa.Table:
+    """An empty table with the schema of `table` and its hive partition columns."""
+    schema = TABLES[table].append(pa.field("sweep_id", pa.string())).append(pa.field("method", pa.string()))
+    return schema.empty_table()
+
+
+def _packaged(name: str):
+    """The packaged file `name` (NAME.sql of this package), found through the package, not a path."""
+    return resources.files(__package__).joinpath(name)
+
+
+def report_names() -> list[str]:
+    """The packaged reports (every NAME.sql but the views)."""
+    return sorted(f.name[:-4] for f in resources.files(__package__).iterdir()
+                  if f.name.endswith(".sql") and f.name not in VIEW_FILES)
+
+
+def sql_text(name_or_path: str) -> str:
+    """A report's SQL by name (a packaged NAME.sql, views included) or a .sql file's path; a
+    `ConfigError` listing the names otherwise."""
+    if name_or_path.endswith(".sql"):
+        path = Path(name_or_path)
+        if path.exists():
+            return path.read_text()
+        raise ConfigError(f"--report: no such file {name_or_path!r}")
+    packaged = _packaged(f"{name_or_path}.sql")
+    if re.fullmatch(r"\w+", name_or_path) and packaged.is_file():
+        return packaged.read_text()
+    raise ConfigError(f"--report: expected a .sql file or one of {report_names()}, got {name_or_path!r}")
+
+
+def check_report(name_or_path: str) -> None:
+    """Raise the `ConfigError` of an unknown report name before any query runs."""
+    if Path(name_or_path).stem in ("views", "run_scores") and not name_or_path.endswith(".sql"):
+        raise ConfigError(f"--report: expected a .sql file or one of {report_names()}, got {name_or_path!r}")
+    sql_text(name_or_path)
+
+
+def run_report(con: duckdb.DuckDBPyConnection, name_or_path: str) -> tuple[list[str], list[tuple]]:
+    """(column names, rows) of a report's final statement (`paired`: its statistics)."""
+    check_report(name_or_path)
+    relation = con.sql(sql_text(name_or_path))
+    columns, rows = relation.columns, relation.fetchall()
+    if Path(name_or_path).stem == "paired":
+        return paired_statistics(columns, rows)
+    return columns, rows
+
+
+PAIRED_COLUMNS = [
+    "sweep_id", "protocol", "dataset", "task", "context_tokens", "config_label", "n", "score_mean",
+    "score_full_mean", "diff_vs_full", "diff_vs_full_ci_low", "diff_vs_full_ci_high", "mcnemar_p_vs_full",
+    "vs_full", "n_baseline", "diff_vs_baseline", "diff_vs_baseline_ci_low", "diff_vs_baseline_ci_high",
+    "mcnemar_p_vs_baseline", "vs_baseline",
+]
+
+
+def paired_statistics(columns: list[str], rows: list[tuple]) -> tuple[list[str], list[tuple]]:
+    """Per config x cell, from sql/paired.sql's rows: paired differences vs the full cache and vs
+    the baseline with bootstrap CIs, exact McNemar p (0/1 scores), n, and a verdict that says
+    "not distinguishable" when the CI spans 0 (kvcompress/stats.py)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        r = dict(zip(columns, row))
+        key = tuple(r[c] for c in ("sweep_id", "protocol", "dataset", "task", "context_tokens", "config_label"))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for key, runs in groups.items():
+        scored = [r for r in runs if r["score"] is not None]
+        out_row = [*key, len(scored), _mean([r["score"] for r in scored])]
+        for other in ("score_full", "score_baseline"):
+            pairs = [(r["score"], r[other]) for r in scored if r[other] is not None]
+            stats = compare([a for a, _ in pairs], [b for _, b in pairs]) if pairs else None
+            if other == "score_full":
+                out_row.append(_mean([b for _, b in pairs]))
+            else:
+                out_row.append(len(pairs))
+            if stats is None:
+                out_row += [None, None, None, None, None]
+            else:
+                out_row += [stats.diff_mean, stats.ci_low, stats.ci_high, stats.mcnemar_p, stats.verdict]
+        out.append(tuple(out_row))
+    return PAIRED_COLUMNS, out
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def sweep_reports(results: str | None, sweep_id: str, reports=DEFAULT_REPORTS,
+                  baseline: str | None = None) -> dict[str, tuple[list[str], list[tuple]]]:
+    """Each report's (columns, rows) restricted to one sweep; compare_sweeps sets it against the
+    sweep that ran before it (the report's default when sweep_a is unset)."""
+    con = connect(results, baseline)
+    con.execute("SET VARIABLE sweep_b = ?", [sweep_id])
+    out = {}
+    for name in reports:
+        columns, rows = run_report(con, name)
+        if "sweep_id" in columns:
+            index = columns.index("sweep_id")
+            rows = [r for r in rows if r[index] == sweep_id]
+        out[Path(name).stem] = (columns, rows)
+    return out
+
+
+def sweep_ids(results: str | None) -> list[str]:
+    """Sweeps under `results`, the one with the newest run first."""
+    rows = connect(results).sql(  # a ConfigError with a hint when there are no runs at all
+        "SELECT sweep_id FROM runs GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
+    ).fetchall()
+    return [r[0] for r in rows]

@@ -1,0 +1,76 @@
+"""A non-editable install (`pip install .`) into a fresh venv works from anywhere: the CLI, the
+reports (sql/ found as package data of kvcompress_reports), the built-in grids, a sweep; and it
+installs no generic top-level package (`import tasks` / `import flows` fail)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _setuptools_can_build() -> bool:
+    """pyproject's license string needs setuptools >= 77; offline, the build uses the one here."""
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    return int(setuptools.__version__.split(".")[0]) >= 77
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv holding a non-editable install of a copy of the checkout (files git does not ignore); its dependencies
+    come from this environment's site-packages (a path in a .pth file: no download, and this
+    environment's editable install of the checkout is not seen there)."""
+    if not _setuptools_can_build():
+        pytest.skip("needs setuptools >= 77 here to build offline (pip install '.[test]')")
+    base = tmp_path_factory.mktemp("install")
+    source = base / "src"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        if (ROOT / name).is_file() and not name.startswith("tests/"):
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            (source / name).write_bytes((ROOT / name).read_bytes())
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]  # .pth-added ones too
+    (site / "deps.pth").write_text("\n".join(deps) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                    "--no-deps", "--no-build-isolation", "--no-index", str(source)], check=True, cwd=base)
+    return venv
+
+
+def run(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**env, "PATH": f"{venv / 'bin'}:{env.get('PATH', '')}"})
+
+
+def test_no_generic_top_level_packages(installed, tmp_path):
+    python = str(installed / "bin" / "python")
+    for name in ("tasks", "flows"):
+        done = run(installed, python, "-c", f"import {name}", cwd=tmp_path)
+        assert done.returncode != 0 and f"No module named '{name}'" in done.stderr
+    done = run(installed, python, "-c", "import kvcompress, kvcompress_reports as r, kvcompress_tasks, kvcompress_flows; "
+               "print(kvcompress.__file__); print(r.__file__); print(r.report_names())", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert all(str(installed) in line for line in lines[:2])  # the installed copy, not the checkout
+    assert "summary" in lines[2] and "pareto" in lines[2]
+
+
+def test_installed_cli_sweeps_and_reports(installed, tmp_path, prefect_server):
+    results = tmp_path / "results"
+    done = run(installed, "kvcompress", "sweep", "smoke", "--results", str(results), "--sweep-id", "installed",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    done = run(installed, "kvcompress", "report", "--results", str(results), "--report", "pareto", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "streaming budget=0.5" in done.stdout

@@ -40,7 +40,7 @@ def run(out, samples, context, steps):
         done = {(r["sample_id"], r["cell"]) for r in map(json.loads, open(out))}
     model, tok = kvcompress.load_model()
     params = {"variant": "single", "context_tokens": context, "num_samples": samples, "seed": 5}
-    context_ = RunContext("smollm2-135m", "embedded", "niah", json.dumps(params, sort_keys=True), steps)
+    context_ = RunContext("smollm2-135m", "embedded", "niah", params, steps)
     cells = configs()
     for sample in kvcompress.load_dataset("niah", tokenizer=tok, **params):
         todo = [(cell, cfg) for cell, cfg in cells if (sample["id"], cell) not in done]

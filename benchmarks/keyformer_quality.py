@@ -10,7 +10,6 @@ the reference system's proxy mode (incoming key as query, frozen noise), h2o and
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections import defaultdict
@@ -38,7 +37,7 @@ def main(contexts, samples):
     for context in contexts:
         for name in ("niah", "passkey"):
             params = {"context_tokens": context, "num_samples": samples}
-            run_context = RunContext("smollm2-135m", "embedded", name, json.dumps(params, sort_keys=True), DECODE_STEPS)
+            run_context = RunContext("smollm2-135m", "embedded", name, params, DECODE_STEPS)
             for sample in kvcompress.load_dataset(name, **params):
                 runs = [("full", method_config("full"), "-")]
                 for fraction in (0.25, 0.5):

@@ -12,7 +12,6 @@ Every method is derived from the same full-cache prefill per sample (KIVI compre
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ METHODS = {
 def run(model, tokenizer, dataset: str, params: dict, decode_steps: int, methods: dict | None = None):
     methods = methods or METHODS
     data = kvcompress.load_dataset(dataset, tokenizer=tokenizer, **params)
-    context = RunContext("smollm2-135m", model_fingerprint("smollm2-135m"), dataset, json.dumps(params, sort_keys=True), decode_steps)
+    context = RunContext("smollm2-135m", model_fingerprint("smollm2-135m"), dataset, params, decode_steps)
     by_method = {name: [] for name in methods}
     for sample in data:
         records = run_sample(model, tokenizer, sample, list(methods.values()), context)

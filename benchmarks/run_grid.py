@@ -28,7 +28,7 @@ def main() -> None:
         shards = sorted(shards, key=lambda s: s.sample_index)  # stable: dataset order within an index
     start = time.time()
     for i, shard in enumerate(shards):
-        counts = execute_shard(shard.to_dict(), spec.model, spec.decode_steps, args.sweep_id or spec.name,
+        counts = execute_shard(shard, spec.model, spec.decode_steps, args.sweep_id or spec.name,
                                args.results, spec.run_timeout_s)
         print(f"[{time.time() - start:7.0f} s] shard {i + 1}/{len(shards)} {shard.dataset} "
               f"{shard.dataset_params.get('context_tokens')} #{shard.sample_index}: {counts}", flush=True)

@@ -1,4 +1,4 @@
-"""`kvcompress` command line: sweep, report, check, methods."""
+"""`kvcompress` command line: sweep, report, check, methods, grid-schema."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import kvcompress  # noqa: F401  (loads the optimized BLAS before anything impor
 from kvcompress.errors import ConfigError
 from kvcompress.methods import list_methods
 from kvcompress.results import check_root, default_root, quarantine, scan, validate_sweep_id
-from kvcompress.sweep import load_spec
+from kvcompress.sweep import grid_schema, load_spec
 
 
 @contextlib.contextmanager
@@ -32,23 +32,24 @@ def prefect_api():
 
 
 def cmd_sweep(args) -> int:
-    spec = load_spec(args.grid)
+    spec = load_spec(args.grid)  # parsed once: the flow gets this object, not the name
     if args.sweep_id is not None:
         validate_sweep_id(args.sweep_id, "--sweep-id")
-    shards = spec.shards()  # validates every cell; a SweepError lists them all
+    plan = spec.plan()  # validates every cell (a SweepError lists them all); the flow reuses it
     if args.dry_run:
-        for config in spec.method_configs():
+        for config in plan.methods:
             print(config.to_json())
-        for shard in shards:
-            print(f"shard {shard.dataset} {json.dumps(shard.dataset_params, sort_keys=True)} sample {shard.sample_index}")
-        print(json.dumps(spec.estimate()))
+        for shard in plan.shards:
+            print(f"shard {shard.dataset} {json.dumps(dict(shard.dataset_params), sort_keys=True)} "
+                  f"sample {shard.sample_index}")
+        print(json.dumps(plan.estimate()))
         return 0
     check_root(args.results)  # before the model loads: a bad root fails here, once
     with prefect_api():
         from kvcompress_flows.sweep import sweep
         from kvcompress_reports.render import render_reports
 
-        sweep(grid=args.grid, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
+        sweep(grid=spec, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
               shard_timeout_s=args.shard_timeout)
     print(render_reports(args.results))
     return 0
@@ -82,6 +83,11 @@ def cmd_check(args) -> int:
         return 0
     print(f"{len(problems)} problem(s); `kvcompress check --repair` moves them aside")
     return 1
+
+
+def cmd_grid_schema(args) -> int:
+    print(json.dumps(grid_schema(), indent=2))
+    return 0
 
 
 def cmd_methods(args) -> int:
@@ -122,6 +128,9 @@ def parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("methods", help="list compression methods and their parameters")
     m.set_defaults(func=cmd_methods)
+
+    g = sub.add_parser("grid-schema", help="print the JSON Schema of a sweep grid file (for editors)")
+    g.set_defaults(func=cmd_grid_schema)
     return p
 
 

@@ -13,11 +13,13 @@ from typing import Any
 from prefect import flow
 
 from kvcompress.results import validate_sweep_id
+from kvcompress.sweep import Shard
 from kvcompress_tasks.sweep import run_shard
 
 
 @flow(name="sweep-shard")
 def sweep_shard(shard: dict[str, Any], model: str, decode_steps: int | None, sweep_id: str, results: str,
                 run_timeout_s: float | None = None) -> dict:
+    """`shard` is `Shard.to_dict()`'s JSON (the Prefect edge); the task gets the typed shard."""
     validate_sweep_id(sweep_id)
-    return run_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s)
+    return run_shard(Shard.from_dict(shard), model, decode_steps, sweep_id, results, run_timeout_s)

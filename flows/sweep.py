@@ -20,6 +20,7 @@ from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
 from kvcompress.results import check_root, default_root, finished_run_ids, validate_sweep_id
+from kvcompress.sweep import Shard, SweepSpec, load_spec
 from kvcompress_tasks.datasets import load_dataset
 from kvcompress_tasks.regression import regression_report
 from kvcompress_tasks.report import artifact_key, publish_artifacts, report
@@ -49,14 +50,15 @@ class Progress:
 
 @flow(name="sweep")
 def sweep(
-    grid: str | dict[str, Any] = "default",
+    grid: str | dict[str, Any] | SweepSpec = "default",
     results: str | None = None,
     sweep_id: str | None = None,
     distribute: bool = False,
     nightly: bool = False,
     shard_timeout_s: float = 6 * 3600,
 ) -> list[dict]:
-    """Run every cell of `grid` (a built-in grid name, a YAML path or a mapping) into `results`.
+    """Run every cell of `grid` (a built-in grid name, a YAML path, a mapping, or a parsed spec, as
+    `kvcompress sweep` passes it) into `results`.
 
     Reruns with the same sweep id (default: the grid's name) skip finished runs. `nightly` names
     the sweep `<grid>-<UTC time>` and reports regressions against the previous such sweep.
@@ -66,29 +68,32 @@ def sweep(
     results = results or default_root()
     if sweep_id is not None:
         validate_sweep_id(sweep_id)
-    plan = plan_sweep(grid)  # raises before any work if any cell is invalid
+    plan = plan_sweep(load_spec(grid))  # raises before any work if any cell is invalid
     check_root(results)  # an unwritable or unknown results root fails once, before any model load
     if nightly:
-        sweep_id = sweep_id or f"{plan['name']}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    sweep_id = sweep_id or plan["name"]
-    shards = plan["shards"]
-    logger.info("sweep %s: %s -> %s", sweep_id, json.dumps(plan["estimate"]), results)
+        sweep_id = sweep_id or f"{plan.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    sweep_id = sweep_id or plan.name
+    shards = plan.shards
+    logger.info("sweep %s: %s -> %s", sweep_id, json.dumps(plan.estimate()), results)
 
-    for dataset, params in sorted({(s["dataset"], s["dataset_params"]) for s in shards}):
-        load_dataset(dataset, params, plan["model"])
+    loaded = []  # each dataset cell once (shards of one context length share it)
+    for shard in shards:
+        if (shard.dataset, shard.dataset_params) not in loaded:
+            loaded.append((shard.dataset, shard.dataset_params))
+            load_dataset(shard.dataset, shard.dataset_params, plan.model)
 
     progress = Progress(sweep_id, len(shards))
-    shard_args = dict(model=plan["model"], decode_steps=plan["decode_steps"], sweep_id=sweep_id,
-                      results=results, run_timeout_s=plan["run_timeout_s"])
+    shard_args = dict(model=plan.model, decode_steps=plan.decode_steps, sweep_id=sweep_id,
+                      results=results, run_timeout_s=plan.run_timeout_s)
     if distribute:
         _run_on_workers(shards, shard_args, progress, shard_timeout_s)
     else:
         for shard in shards:
             counts = run_shard(shard, **shard_args)
-            progress.advance(f"{shard['dataset']} #{shard['sample_index']}: {counts}")
+            progress.advance(f"{shard.dataset} #{shard.sample_index}: {counts}")
 
     finished = len(finished_run_ids(results, sweep_id))
-    expected = plan["estimate"]["runs"]
+    expected = plan.runs
     logger.info("sweep %s: %d of %d runs finished", sweep_id, finished, expected)
     if finished < expected:
         raise RuntimeError(f"sweep {sweep_id}: only {finished} of {expected} runs finished; rerun to resume")
@@ -100,7 +105,7 @@ def sweep(
     return rows
 
 
-def _run_on_workers(shards: list[dict], shard_args: dict, progress: Progress, timeout_s: float) -> None:
+def _run_on_workers(shards: tuple[Shard, ...], shard_args: dict, progress: Progress, timeout_s: float) -> None:
     """Submit each shard as a `sweep-shard/shard` flow run, then wait for all of them.
 
     Idempotency keys tie each submission to this parent run, so a retried parent does not submit
@@ -108,9 +113,9 @@ def _run_on_workers(shards: list[dict], shard_args: dict, progress: Progress, ti
     """
     parent = get_run_context().flow_run.id
     submitted = [
-        run_deployment(SHARD_DEPLOYMENT, parameters={"shard": shard, **shard_args}, timeout=0,
+        run_deployment(SHARD_DEPLOYMENT, parameters={"shard": shard.to_dict(), **shard_args}, timeout=0,
                        idempotency_key=f"{parent}-{i}",
-                       flow_run_name=f"{shard_args['sweep_id']}-{shard['dataset']}-{shard['sample_index']}")
+                       flow_run_name=f"{shard_args['sweep_id']}-{shard.dataset}-{shard.sample_index}")
         for i, shard in enumerate(shards)
     ]
     pending = {run.id: shard for run, shard in zip(submitted, shards)}
@@ -121,5 +126,5 @@ def _run_on_workers(shards: list[dict], shard_args: dict, progress: Progress, ti
                 state = client.read_flow_run(run_id).state
                 if state is not None and state.is_final():
                     shard = pending.pop(run_id)
-                    progress.advance(f"{shard['dataset']} #{shard['sample_index']}: {state.name}")
+                    progress.advance(f"{shard.dataset} #{shard.sample_index}: {state.name}")
             time.sleep(1.0)

@@ -32,7 +32,7 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -56,9 +56,13 @@ class RunContext:
     model: str
     model_fingerprint: str
     dataset: str
-    dataset_params: str  # canonical JSON
+    dataset_params: Mapping[str, Any]  # the dataset's loader parameters (context_tokens, ...)
     decode_steps: int | None = None  # cap on the reference answer (None: EOS or the task's budget)
     run_timeout_s: float | None = None  # per method run; does not change results, so not in run ids
+
+    def __post_init__(self):
+        if not isinstance(self.dataset_params, Mapping):  # JSON belongs to the Prefect edge, not here
+            raise TypeError(f"RunContext.dataset_params: expected a mapping, got {type(self.dataset_params).__name__}")
 
 
 class RunTimeout(Exception):
@@ -85,10 +89,10 @@ def run_config(context: RunContext, sample: dict, method: Method, protocol: str 
         "model": context.model,
         "model_fingerprint": context.model_fingerprint,
         "dataset": context.dataset,
-        "dataset_params": json.loads(context.dataset_params),
+        "dataset_params": dict(context.dataset_params),
         "sample_id": sample["id"],
         "sample_fingerprint": sample_fingerprint(sample),
-        "method": json.loads(method.to_json()),
+        "method": method.to_dict(),
         "decode_steps": context.decode_steps,
         "protocol": protocol,
     }
@@ -311,35 +315,42 @@ def run_sample(
     context: RunContext,
     on_record: Callable[[RunRecord], None] | None = None,
     protocols: tuple[str, ...] = ("query_aware",),
-    pending: Callable[[dict, Method, str], bool] | None = None,
+    pending: Callable[[dict[str, Any]], bool] | None = None,
 ) -> list[RunRecord]:
     """Run every method under every protocol on one sample, or on several questions about one
     context (a list of samples sharing their context part: one context prefill, and under
     query_agnostic one compression per method, each question answered from its own copy).
 
-    Only cells `pending(sample, method, protocol)` accepts run, when given; `on_record` sees each
-    record as soon as it exists. Records come sample by sample, protocol by protocol, methods in order.
+    Each run's configuration (`run_config`) is built once; only runs whose configuration
+    `pending(config)` accepts run, when given (a resumed sweep skips finished run ids); `on_record`
+    sees each record as soon as it exists. Records come sample by sample, protocol by protocol,
+    methods in order.
     """
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown or not protocols:
         raise ValueError(f"protocols: expected a non-empty list of {list(PROTOCOLS)}, got {list(protocols)!r}")
     samples = sample if isinstance(sample, list) else [sample]
+    todo = {}  # sample index -> its pending (protocol, method, run config)
+    for i, one in enumerate(samples):
+        cells = [(p, m, run_config(context, one, m, p)) for p in protocols for m in methods]
+        todo[i] = [cell for cell in cells if pending is None or pending(cell[2])]
+    if not any(todo.values()):
+        return []
     shared = share_context(model, tokenizer, samples[0], methods) if len(samples) > 1 else None
-    compressed: dict[str, list] = {}  # query_agnostic: method -> its compressed context, made once
+    compressed: dict[Method, list] = {}  # query_agnostic: method -> its compressed context, made once
     records = []
-    for one in samples:
-        todo = [(p, m) for p in protocols for m in methods if pending is None or pending(one, m, p)]
-        if not todo:
+    for i, one in enumerate(samples):
+        if not todo[i]:
             continue
         ref = reference(model, tokenizer, one, methods, context.decode_steps, tuple(protocols), shared)
-        for protocol, method in todo:
+        for protocol, method, config in todo[i]:
             base = None
             if protocol == "query_agnostic" and shared is not None:
                 as_run = method.for_run(ref.steps)  # Keyformer's tau schedule depends on the answer length
-                if as_run.to_json() not in compressed:
-                    compressed[as_run.to_json()] = compress_context(model, as_run, ref)
-                base = compressed[as_run.to_json()]
-            record = run_method(model, tokenizer, one, method, context, ref, protocol, base)
+                if as_run not in compressed:
+                    compressed[as_run] = compress_context(model, as_run, ref)
+                base = compressed[as_run]
+            record = run_method(model, tokenizer, one, method, context, ref, protocol, base, config)
             records.append(record)
             if on_record is not None:
                 on_record(record)
@@ -370,9 +381,11 @@ def compress(model, method: Method, ref: Reference, protocol: str, base: list | 
 
 
 def run_method(model, tokenizer, sample: dict, method: Method, context: RunContext, ref: Reference,
-               protocol: str = "query_aware", base: list | None = None) -> RunRecord:
-    """One method on one sample under one protocol: compress, decode teacher-forced, then free-running."""
-    config = run_config(context, sample, method, protocol)
+               protocol: str = "query_aware", base: list | None = None,
+               config: dict[str, Any] | None = None) -> RunRecord:
+    """One method on one sample under one protocol: compress, decode teacher-forced, then free-running.
+    `config`: the run's `run_config`, when the caller has built it already."""
+    config = config if config is not None else run_config(context, sample, method, protocol)
     row: dict[str, Any] = {
         "run_id": run_id(config),
         "model": context.model,
@@ -380,7 +393,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         "task": sample["task"],
         "sample_id": sample["id"],
         "protocol": protocol,
-        "context_tokens": json.loads(context.dataset_params).get("context_tokens", len(ref.prompt)),
+        "context_tokens": context.dataset_params.get("context_tokens", len(ref.prompt)),
         "prompt_tokens": len(ref.prompt),
         **method.grid_columns(),
         "status": "ok",

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from kvcompress.errors import ConfigError
 from kvcompress.execute import execute_shard
-from kvcompress.sweep import load_spec
+from kvcompress.sweep import Plan, Shard, SweepSpec
 
 
 def retry_unless_config_error(task, task_run, state) -> bool:
@@ -25,23 +23,16 @@ def retry_unless_config_error(task, task_run, state) -> bool:
 
 
 @task(name="plan-sweep", cache_policy=NO_CACHE)
-def plan_sweep(grid: str | dict[str, Any]) -> dict[str, Any]:
-    """Validate every cell (raises SweepError listing all invalid ones) and expand into shards."""
-    spec = load_spec(grid)
-    return {
-        "name": spec.name,
-        "model": spec.model,
-        "decode_steps": spec.decode_steps,
-        "run_timeout_s": spec.run_timeout_s,
-        "shards": [s.to_dict() for s in spec.shards()],
-        "estimate": spec.estimate(),
-    }
+def plan_sweep(spec: SweepSpec) -> Plan:
+    """Validate every cell (raises SweepError listing all invalid ones) and expand into shards,
+    once per spec (a spec the CLI has planned already is not expanded again)."""
+    return spec.plan()
 
 
 @task(name="run-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30],
       retry_condition_fn=retry_unless_config_error,
-      task_run_name="run-shard-{shard[dataset]}-{shard[sample_index]}")
-def run_shard(shard: dict[str, Any], model: str, decode_steps: int | None, sweep_id: str, results: str,
+      task_run_name="run-shard-{shard.dataset}-{shard.sample_index}")
+def run_shard(shard: Shard, model: str, decode_steps: int | None, sweep_id: str, results: str,
               run_timeout_s: float | None = None) -> dict:
     """One dataset sample through every unfinished method: one prefill, results written per run.
 

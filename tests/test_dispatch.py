@@ -84,7 +84,7 @@ def test_run_config_records_the_kernel_paths():
     model, tokenizer = kvcompress.load_model("smollm2-135m")
     params = {"context_tokens": 256, "continuation_tokens": 4, "num_samples": 1, "seed": 1}
     sample = load_dataset("lm", tokenizer=tokenizer, **params)[0]
-    context = RunContext("smollm2-135m", "fp", "lm", json.dumps(params, sort_keys=True), 3)
+    context = RunContext("smollm2-135m", "fp", "lm", params, 3)
     kivi = method_config("kivi", bits=4, residual=32)
     (record,) = run_sample(model, tokenizer, sample, [kivi], context)
     assert record.run["status"] == "ok"

@@ -274,8 +274,9 @@ def test_shard_task_fails_at_once_on_a_config_error(prefect_server, tmp_path):
 
     from kvcompress_tasks.sweep import run_shard
 
-    shard = {"dataset": "passkey", "dataset_params": json.dumps({"context_tokens": 256}), "sample_index": 0,
-             "methods": []}
+    from kvcompress.sweep import Shard
+
+    shard = Shard("passkey", {"context_tokens": 256}, 0, ())
 
     @flow
     def one_shard() -> tuple[bool, str, str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -13,7 +12,7 @@ from kvcompress.runner import RunContext, run_sample
 
 
 def context_for(dataset: str, params: dict, steps: int, timeout: float | None = None) -> RunContext:
-    return RunContext("smollm2-135m", "fp", dataset, json.dumps(params, sort_keys=True), steps, timeout)
+    return RunContext("smollm2-135m", "fp", dataset, params, steps, timeout)
 
 
 def test_language_modelling_is_teacher_forced_on_the_dataset_continuation(embedded):

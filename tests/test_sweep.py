@@ -83,11 +83,11 @@ def test_rerun_skips_finished_runs_and_isolates_failures(tmp_path, embedded):
     spec = load_spec(grid)
     (shard,) = spec.shards()
     root = str(tmp_path)
-    first = execute_shard(shard.to_dict(), spec.model, spec.decode_steps, "s", root)
+    first = execute_shard(shard, spec.model, spec.decode_steps, "s", root)
     # group_size 128 does not divide head_dim 64: that run fails, recorded; the others finish
     assert first == {"skipped": 0, "ran": 3, "failed": 1}
     assert len(finished_run_ids(root, "s")) == 3
-    again = execute_shard(shard.to_dict(), spec.model, spec.decode_steps, "s", root)
+    again = execute_shard(shard, spec.model, spec.decode_steps, "s", root)
     assert again == {"skipped": 3, "ran": 0, "failed": 0}
     import pyarrow.dataset as ds
 
@@ -109,3 +109,46 @@ def test_ruler_task_lists_and_questions_become_one_shard_per_context():
     assert [(s.sample_index, s.rows) for s in shards] == [(0, 2), (2, 2), (4, 2), (6, 2)]
     assert all(s.to_dict()["protocols"] == ["query_aware", "query_agnostic"] for s in shards)
     assert spec.estimate()["runs"] == 8 * 2  # rows x methods x protocols
+
+
+def test_structural_errors_name_the_field_and_the_allowed_values():
+    with pytest.raises(SweepError) as info:
+        load_spec({**GRID, "decode_steps": "8", "datasets": [{"name": "passkey", "seed": True, "colour": 1}]})
+    assert info.value.errors == [
+        "decode_steps: expected a valid integer, got '8'",
+        "datasets[0].seed: expected a valid integer, got True",
+        "datasets[0].colour: unknown key; allowed: ['context_tokens', 'name', 'num_samples', 'params', 'seed']",
+    ]
+
+
+def test_grid_schema_describes_the_grid(capsys):
+    assert cli(["grid-schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert {"name", "datasets", "methods", "protocol", "decode_steps"} <= set(schema["properties"])
+    assert schema["additionalProperties"] is False
+    axis = schema["$defs"]["MethodAxis"]
+    assert axis["required"] == ["name"] and set(axis["properties"]) == {"name", "params", "grid"}
+
+
+def test_cli_sweep_parses_and_validates_the_grid_once(tmp_path, embedded, prefect_server, monkeypatch):
+    """From the YAML file to the cache: the CLI parses the grid once and hands the flow the parsed
+    spec; the spec is expanded once; each method config is validated once (shards carry the
+    objects to the cache: no JSON round trip in between)."""
+    from kvcompress.methods.streaming import Streaming
+    from kvcompress.sweep import SweepSpec
+
+    counts = {"parse": 0, "expand": 0}
+    budgets = []
+    parse, expand, post_init = SweepSpec.model_validate.__func__, SweepSpec._validate, Streaming.__post_init__
+    monkeypatch.setattr(SweepSpec, "model_validate",
+                        classmethod(lambda cls, *a, **k: counts.__setitem__("parse", counts["parse"] + 1) or
+                                    parse(cls, *a, **k)))
+    monkeypatch.setattr(SweepSpec, "_validate", lambda self: counts.__setitem__("expand", counts["expand"] + 1) or
+                        expand(self))
+    monkeypatch.setattr(Streaming, "__post_init__", lambda self: budgets.append(self.budget) or post_init(self))
+    path = tmp_path / "grid.yaml"
+    path.write_text(json.dumps({**GRID, "decode_steps": 2, "datasets": [{"name": "passkey", "context_tokens": [256]}],
+                                "methods": [{"name": "streaming", "grid": {"budget": [64]}}]}))
+    assert cli(["sweep", str(path), "--results", str(tmp_path / "results"), "--sweep-id", "once"]) == 0
+    assert counts == {"parse": 1, "expand": 1} and budgets == [64]
+    assert len(finished_run_ids(str(tmp_path / "results"), "once")) == 1

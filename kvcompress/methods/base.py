@@ -86,9 +86,13 @@ class Method:
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def to_dict(self) -> dict[str, Any]:
+        """The full configuration: `method_config(**config.to_dict())` rebuilds it."""
+        return {"name": self.name, **self.params()}
+
     def to_json(self) -> str:
-        """Canonical JSON of the full configuration (sorted keys): what run ids hash."""
-        return json.dumps({"name": self.name, **self.params()}, sort_keys=True)
+        """Canonical JSON of the full configuration (sorted keys)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def describe(cls) -> dict[str, Any]:

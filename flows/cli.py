@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import textwrap
 import warnings
 
 import kvcompress  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
@@ -14,6 +15,8 @@ from kvcompress.errors import ConfigError
 from kvcompress.methods import list_methods
 from kvcompress.results import check_root, default_root, quarantine, scan, validate_sweep_id
 from kvcompress.sweep import grid_schema, load_spec
+
+SCREEN_WIDTH = 120  # the one-screen report's width (kvcompress_reports.render.SCREEN_WIDTH)
 
 
 @contextlib.contextmanager
@@ -31,6 +34,36 @@ def prefect_api():
         yield api
 
 
+@contextlib.contextmanager
+def progress_bar():
+    """A rich progress bar of the in-process sweep's shards on a terminal (Prefect's log lines say
+    the same elsewhere)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from kvcompress_flows.sweep import PROGRESS_LISTENERS
+
+    bar = Progress(TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+                   TimeRemainingColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
+    task = None
+
+    def update(done: int, total: int, what: str) -> None:
+        nonlocal task
+        if task is None:
+            task = bar.add_task(what, total=total)
+        bar.update(task, completed=done, description=what)
+
+    PROGRESS_LISTENERS.append(update)
+    try:
+        with bar:
+            yield
+    finally:
+        PROGRESS_LISTENERS.remove(update)
+
+
 def cmd_sweep(args) -> int:
     spec = load_spec(args.grid)  # parsed once: the flow gets this object, not the name
     if args.sweep_id is not None:
@@ -45,27 +78,83 @@ def cmd_sweep(args) -> int:
         print(json.dumps(plan.estimate()))
         return 0
     check_root(args.results)  # before the model loads: a bad root fails here, once
-    with prefect_api():
+    with prefect_api(), progress_bar():
         from kvcompress_flows.sweep import sweep
-        from kvcompress_reports.render import render_reports
 
         sweep(grid=spec, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
               shard_timeout_s=args.shard_timeout)
-    print(render_reports(args.results))
+    print_screen(args.results, args.sweep_id or spec.name)
     return 0
 
 
-def cmd_report(args) -> int:
-    from kvcompress_reports.db import DEFAULT_REPORTS, check_report
-    from kvcompress_reports.render import render_reports
+def default_html_path(results: str, sweep_id: str) -> str:
+    """Where the HTML report goes unless --html says: beside local results, else here."""
+    if "://" in results and not results.startswith("file://"):
+        return f"kvcompress-report-{sweep_id}.html"
+    return os.path.join(results.removeprefix("file://"), "html", f"{sweep_id}.html")
 
-    for name in args.sql or ():
+
+def print_screen(results: str, sweep_id: str | None = None, baseline: str | None = None,
+                 html: str | None = "") -> None:
+    """The one-screen report of a sweep (default: the newest), the HTML report's path, and how to
+    get the rest. `html`: "" for the default path, None for no HTML file."""
+    from kvcompress.errors import check
+    from kvcompress_reports import connect, report_names, sweep_ids
+    from kvcompress_reports.render import screen, to_text
+
+    con = connect(results, baseline)
+    sweeps = sweep_ids(con)
+    sweep_id = sweep_id or sweeps[0]
+    check(sweep_id in sweeps, "--sweep", f"one of {sweeps}", sweep_id)
+    print(to_text(*screen(con, sweep_id)))
+    if html is not None:
+        from kvcompress_reports.html_report import write_html
+
+        path = write_html(results, html or default_html_path(results, sweep_id), sweep_id=sweep_id, baseline=baseline)
+        print(f"HTML report (every report, 5 plots): {path}")
+    others = f"; other sweeps (--sweep ID): {', '.join(s for s in sweeps if s != sweep_id)}" if len(sweeps) > 1 else ""
+    print(textwrap.fill(f"More: --all (every report), --report NAME ({', '.join(report_names())}), "
+                        f"--format csv|json|markdown{others}", width=SCREEN_WIDTH, subsequent_indent="  "))
+
+
+def cmd_report(args) -> int:
+    from kvcompress_reports import DEFAULT_REPORTS, connect, render, run_report, sweep_ids
+    from kvcompress_reports.db import check_report
+
+    for name in args.report or ():
         check_report(name)  # an unknown report name fails before any query
-    print(render_reports(args.results, args.sql or DEFAULT_REPORTS, args.baseline))
+    if not (args.all or args.report or args.format != "table"):
+        print_screen(args.results, args.sweep, args.baseline, None if args.no_html else (args.html or ""))
+        return 0
+    con = connect(args.results, args.baseline)
+    sweeps = sweep_ids(con)
+    if args.sweep is not None and args.sweep not in sweeps:
+        raise ConfigError(f"--sweep: expected one of {sweeps}, got {args.sweep!r}")
+    names = args.report or [n for n in DEFAULT_REPORTS if n != "compare_sweeps" or len(sweeps) > 1]
+    if args.format != "table" and not (args.all or args.report):
+        names = ["summary", "pareto"]
+    if args.format == "csv" and len(names) > 1:
+        raise ConfigError(f"--format csv: expected one --report NAME (CSV holds one table), got {len(names)} reports")
+    reports = {}
+    for name in names:
+        columns, rows = run_report(con, name)
+        if args.sweep is not None and "sweep_id" in columns:
+            rows = [r for r in rows if r[columns.index("sweep_id")] == args.sweep]
+        reports[os.path.basename(name).removesuffix(".sql")] = (columns, rows)
+    if args.format == "json":
+        print(render.format_json(reports))
+    elif args.format == "csv":
+        (columns, rows), = reports.values()
+        print(render.format_csv(columns, rows))
+    elif args.format == "markdown":
+        print("\n\n".join(f"### {name}\n\n{render.format_markdown(*report)}" for name, report in reports.items()))
+    else:
+        print("\n\n".join(f"== {name} ({len(report[1])} rows)\n{render.format_table(*report)}"
+                          for name, report in reports.items()))
     if args.html:
         from kvcompress_reports.html_report import write_html
 
-        print(f"wrote {write_html(args.results, args.html, baseline=args.baseline)}")
+        print(f"HTML report: {write_html(args.results, args.html, sweep_id=args.sweep, baseline=args.baseline)}")
     return 0
 
 
@@ -112,11 +201,17 @@ def parser() -> argparse.ArgumentParser:
                    help="with --distribute: seconds to wait for the shards before failing (default 6 h)")
     s.set_defaults(func=cmd_sweep)
 
-    r = sub.add_parser("report", help="print the DuckDB reports over the results")
+    r = sub.add_parser("report", help="the answer on one screen (summary and Pareto front), or any report")
     r.add_argument("--results", default=None, help=results_help)
-    r.add_argument("--report", "--sql", dest="sql", action="append",
+    r.add_argument("--sweep", default=None, help="the sweep to show (default: the one with the newest run)")
+    r.add_argument("--all", action="store_true", help="every report (compare_sweeps when there are two sweeps)")
+    r.add_argument("--report", "--sql", dest="report", action="append",
                    help="a report name (sql/NAME.sql) or .sql file; repeatable")
-    r.add_argument("--html", default=None, help="also write a self-contained HTML report here")
+    r.add_argument("--format", choices=["table", "csv", "json", "markdown"], default="table",
+                   help="output format (for scripts; default: terminal tables)")
+    r.add_argument("--html", default=None,
+                   help="write the self-contained HTML report here (default: RESULTS/html/SWEEP.html)")
+    r.add_argument("--no-html", action="store_true", help="do not write the HTML report")
     r.add_argument("--baseline", default=None,
                    help="a config_label the paired report also compares every config with (e.g. 'h2o budget=0.5')")
     r.set_defaults(func=cmd_report)

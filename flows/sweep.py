@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -27,6 +27,8 @@ from kvcompress_tasks.report import artifact_key, publish_artifacts, report
 from kvcompress_tasks.sweep import plan_sweep, run_shard
 
 SHARD_DEPLOYMENT = "sweep-shard/shard"
+# Called with (done, total, what) as shards finish, by flows run in this process (the CLI's progress bar).
+PROGRESS_LISTENERS: list[Callable[[int, int, str], None]] = []
 
 
 class Progress:
@@ -37,6 +39,8 @@ class Progress:
         self.logger = get_run_logger()
         self.artifact = create_progress_artifact(0.0, key=artifact_key(sweep_id, "progress"),
                                                  description=f"shards of sweep {sweep_id}")
+        for listener in PROGRESS_LISTENERS:
+            listener(0, total, f"sweep {sweep_id}")
 
     def advance(self, what: str) -> None:
         self.done += 1
@@ -44,6 +48,8 @@ class Progress:
         eta = elapsed / self.done * (self.total - self.done)
         filled = round(20 * self.done / self.total)
         update_progress_artifact(self.artifact, 100.0 * self.done / self.total)
+        for listener in PROGRESS_LISTENERS:
+            listener(self.done, self.total, what)
         self.logger.info("[%s%s] %d/%d shards, %.0f s elapsed, ETA %.0f s  (%s)",
                          "#" * filled, "." * (20 - filled), self.done, self.total, elapsed, eta, what)
 

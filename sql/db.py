@@ -155,9 +155,10 @@ def sweep_reports(results: str | None, sweep_id: str, reports=DEFAULT_REPORTS,
     return out
 
 
-def sweep_ids(results: str | None) -> list[str]:
-    """Sweeps under `results`, the one with the newest run first."""
-    rows = connect(results).sql(  # a ConfigError with a hint when there are no runs at all
+def sweep_ids(results: str | None | duckdb.DuckDBPyConnection) -> list[str]:
+    """Sweeps under `results` (a root or a connection to one), the one with the newest run first."""
+    con = results if isinstance(results, duckdb.DuckDBPyConnection) else connect(results)
+    rows = con.sql(  # connect: a ConfigError with a hint when there are no runs at all
         "SELECT sweep_id FROM runs GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
     ).fetchall()
     return [r[0] for r in rows]

@@ -1,11 +1,28 @@
-"""Renderings of report rows: terminal tables, Markdown, and JSON scalars for Prefect artifacts."""
+"""Renderings of report rows: the one-screen answer, terminal tables (rich), Markdown, CSV, JSON,
+and JSON scalars for Prefect artifacts.
+
+The one screen (`screen`) is what a user asks first: per config and task of one sweep, the score
+with its 95% interval, the paired difference from the full cache, KL, top-1 agreement, resident
+KV bytes relative to the full cache, decode speed; then the score/memory Pareto front. Everything
+else is a named report (`kvcompress report --all`, `--report NAME`).
+"""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import math
+from datetime import date, datetime
 from pathlib import Path
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
 from .db import DEFAULT_REPORTS, connect, run_report
+
+SCREEN_WIDTH = 120  # the one-screen report fits this many columns
 
 
 def format_cell(value) -> str:
@@ -17,13 +34,34 @@ def format_cell(value) -> str:
     return str(value)
 
 
+def _number(value, spec: str, missing: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return format(value, spec)
+
+
+def table(columns: list[str], rows: list[tuple], title: str | None = None) -> Table:
+    """A rich table of a report: numbers right-aligned, 4 significant digits for floats."""
+    out = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    for i, name in enumerate(columns):
+        numeric = any(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in rows)
+        out.add_column(name, justify="right" if numeric else "left", overflow="fold")
+    for row in rows:
+        out.add_row(*(format_cell(v) for v in row))
+    return out
+
+
+def to_text(*renderables, width: int = SCREEN_WIDTH) -> str:
+    """Renderables as plain text, `width` columns wide (no colour codes)."""
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False, soft_wrap=False)
+    for r in renderables:
+        console.print(r)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
+
+
 def format_table(columns: list[str], rows: list[tuple]) -> str:
-    """A plain-text table: right-aligned values, 4 significant digits for floats."""
-    body = [[format_cell(v) for v in row] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in body)) if body else len(c) for i, c in enumerate(columns)]
-    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line, rule, *("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in body)])
+    """A report as a plain-text table at its natural width (wide reports are not folded)."""
+    return to_text(table(columns, rows), width=100_000)
 
 
 def format_markdown(columns: list[str], rows: list[tuple]) -> str:
@@ -33,8 +71,31 @@ def format_markdown(columns: list[str], rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def format_csv(columns: list[str], rows: list[tuple]) -> str:
+    """CSV with a header row; missing values are empty, floats at full precision."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(columns)
+    writer.writerows([["" if v is None else v for v in row] for row in rows])
+    return out.getvalue().rstrip("\n")
+
+
+def _json_value(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+
+
+def format_json(reports: dict[str, tuple[list[str], list[tuple]]]) -> str:
+    """{report name: [row records]} as JSON."""
+    return json.dumps({name: [{c: _json_value(v) for c, v in zip(columns, row)} for row in rows]
+                       for name, (columns, rows) in reports.items()}, indent=1)
+
+
 def render_reports(results: str | None = None, reports=DEFAULT_REPORTS, baseline: str | None = None) -> str:
-    """Every report as a terminal table, titled with its name and row count."""
+    """Every report as a plain-text table, titled with its name and row count."""
     con = connect(results, baseline)
     parts = []
     for name in reports:
@@ -43,6 +104,76 @@ def render_reports(results: str | None = None, reports=DEFAULT_REPORTS, baseline
     return "\n\n".join(parts)
 
 
+def _records(con, name: str, sweep_id: str) -> list[dict]:
+    columns, rows = run_report(con, name)
+    return [r for r in (dict(zip(columns, row)) for row in rows) if r.get("sweep_id") == sweep_id]
+
+
+def _config(label: str) -> tuple[str, str]:
+    """(config without the protocol, protocol short name) from a config_label."""
+    suffix = " protocol=query_agnostic"
+    if suffix in label:
+        return label.replace(suffix, ""), "agnostic"
+    return label, "aware"
+
+
+NOT_DISTINGUISHABLE = "~"
+
+
+def screen(con, sweep_id: str) -> list:
+    """The one-screen report of `sweep_id`: the summary (one row per config x protocol x task) with
+    the paired difference from the full cache, then the configs on the score/memory Pareto front."""
+    summary = _records(con, "summary", sweep_id)
+    paired = {(r["protocol"], r["dataset"], r["task"], r["context_tokens"], r["config_label"]): r
+              for r in _records(con, "paired", sweep_id)}
+    front = [r for r in _records(con, "pareto", sweep_id) if r["on_front"]]
+    contexts = {r["context_tokens"] for r in summary}
+    protocols = {r["protocol"] for r in summary}
+    task_names = {r["task"] for r in summary}
+    qualified = len(task_names) < len({(r["dataset"], r["task"]) for r in summary})  # a task name in 2 datasets
+
+    def style(title: str) -> Table:
+        return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+
+    out = style(f"Sweep {sweep_id}  (vs full: paired score difference; {NOT_DISTINGUISHABLE} not distinguishable)")
+    out.add_column("config", overflow="fold", min_width=24)
+    if len(protocols) > 1:
+        out.add_column("protocol")
+    out.add_column("task" if len(contexts) == 1 else "task @ctx", overflow="fold")
+    for name in ("n", "score (95% CI)", "vs full", "KL", "top-1", "KV/full", "tok/s"):
+        out.add_column(name, justify="right", no_wrap=True)
+    for r in summary:
+        config, protocol = _config(r["config_label"])
+        task = f"{r['dataset']}/{r['task']}" if qualified else r["task"]
+        if len(contexts) > 1:
+            task += f" @{r['context_tokens']}"
+        diff = paired.get((r["protocol"], r["dataset"], r["task"], r["context_tokens"], r["config_label"]), {})
+        ci = (f" ({_number(r['score_ci_low'], '.2f')}-{_number(r['score_ci_high'], '.2f')})"
+              if r["score_ci_low"] is not None else "")
+        if r["method"] == "full":
+            versus = ""
+        else:
+            mark = NOT_DISTINGUISHABLE if diff.get("vs_full") == "not distinguishable" else " "
+            versus = _number(diff.get("diff_vs_full"), "+.2f") + mark
+        cells = [config, *([protocol] if len(protocols) > 1 else []), task, str(r["runs"]),
+                 _number(r["score_mean"], ".2f") + ci, versus, _number(r["kl_mean"], ".3g"),
+                 _number(r["top1_agree"], ".2f"), _number(r["kv_ratio_to_full"], ".2f"), _number(r["decode_tok_s"], ".1f")]
+        out.add_row(*cells)
+
+    pareto = style("Pareto front: score vs resident KV bytes")
+    pareto.add_column("dataset" if len(contexts) == 1 else "dataset @ctx")
+    pareto.add_column("config", overflow="fold", min_width=24)
+    if len(protocols) > 1:
+        pareto.add_column("protocol")
+    for name in ("n", "score", "KV/full", "KV bytes"):
+        pareto.add_column(name, justify="right", no_wrap=True)
+    for r in front:
+        config, protocol = _config(r["config_label"])
+        where = r["dataset"] if len(contexts) == 1 else f"{r['dataset']} @{r['context_tokens']}"
+        pareto.add_row(where, config, *([protocol] if len(protocols) > 1 else []), str(r["runs"]),
+                       _number(r["score_mean"], ".2f"), _number(r["kv_ratio_to_full"], ".2f"),
+                       f"{r['live_kv_bytes']:,}")
+    return [out, pareto]
 
 
 def artifact_cell(value):

@@ -74,3 +74,8 @@ def test_installed_cli_sweeps_and_reports(installed, tmp_path, prefect_server):
     done = run(installed, "kvcompress", "report", "--results", str(results), "--report", "pareto", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "streaming budget=0.5" in done.stdout
+    done = run(installed, "kvcompress", "report", "--results", str(results), cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("Sweep installed"), done.stderr[-3000:]
+    assert (results / "html" / "installed.html").exists()
+    done = run(installed, "kvcompress", "report", "--results", str(results), "--all", "--no-html", cwd=tmp_path)
+    assert "== summary" in done.stdout and "compare_sweeps" not in done.stdout  # one sweep: nothing to compare

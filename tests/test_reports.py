@@ -437,3 +437,45 @@ def test_evidence_report_splits_scores_by_evidence_kept(fixture_results):
         assert r["runs_all_kept"] + r["runs_some_lost"] == r["runs"]
         if r["runs_some_lost"] and r["config_label"] != "full":
             assert r["score_when_some_lost"] < 1.0
+
+
+def test_report_fits_one_screen_and_points_to_the_rest(fixture_results, tmp_path):
+    """`kvcompress report`: the newest sweep's summary and Pareto front in <= 120 columns and one
+    screen, the HTML report's path, and how to get every other report."""
+    from tests.test_cli import kvcompress
+
+    root, runs, _ = fixture_results
+    done = kvcompress("report", "--results", root, "--html", str(tmp_path / "r.html"))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) <= 50 and max(len(line) for line in lines) <= 120, done.stdout
+    assert lines[0].startswith("Sweep s2") and "Pareto front: score vs resident KV bytes" in done.stdout
+    assert f"HTML report (every report, 5 plots): {tmp_path / 'r.html'}" in done.stdout
+    assert (tmp_path / "r.html").exists() and "--all" in lines[-2] and "s1" in lines[-1]
+    # one row per config x task of s2, scores as in the runs
+    s2 = [r for r in runs if r["sweep_id"] == "s2" and r["status"] == "ok"]
+    full_niah = [r["score"] for r in s2 if r["method"] == "full" and r["task"] == "niah"]
+    row = next(line for line in lines if line.split()[:2] == ["full", "niah"])
+    assert f"{sum(full_niah) / len(full_niah):.2f} (" in row
+    assert sum(line.split()[:1] in (["full"], ["kivi"], ["snapkv"], ["keyformer"]) for line in lines) >= 14
+
+
+def test_report_formats_for_scripts(fixture_results):
+    import csv
+    import io
+    import json
+
+    from tests.test_cli import kvcompress
+
+    root = fixture_results[0]
+    done = kvcompress("report", "--results", root, "--report", "summary", "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(done.stdout)))
+    assert done.returncode == 0 and len(rows) == 26 and {"config_label", "score_ci_low"} <= set(rows[0])
+    done = kvcompress("report", "--results", root, "--format", "json", "--sweep", "s1")
+    data = json.loads(done.stdout)
+    assert set(data) == {"summary", "pareto"} and {r["sweep_id"] for r in data["summary"]} == {"s1"}
+    done = kvcompress("report", "--results", root, "--format", "markdown", "--report", "pareto")
+    assert done.stdout.startswith("### pareto\n\n| sweep_id | dataset |")
+    done = kvcompress("report", "--results", root, "--all", "--no-html")
+    titles = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("== ")]
+    assert titles == ["summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps"]

@@ -1,10 +1,12 @@
 -- Derived view and macros every report reads. Run after views.sql:
 --   SET VARIABLE kv_results = 'results';  .read sql/views.sql  .read sql/run_scores.sql
 --
--- A CONFIG is method + budget + bits + tau_init + tau_end, with NULLs equal (the full cache has
--- no budget; KIVI has no tau). GROUP BY already treats NULLs as equal; joins on a config use
--- IS NOT DISTINCT FROM, never `=`, or every NULL-bearing config would silently drop out.
--- config_label is the same identity as one readable string for tables and plot legends.
+-- A CONFIG is one config_label: the method, its budget/bits/tau and every other parameter that
+-- differs from its default, and the protocol when query-agnostic (two Keyformer configs that differ
+-- only in `score` are two configs). Reports group by config_label; the method, budget, bits,
+-- tau_init and tau_end columns ride along for sorting and plotting (all are functions of the
+-- label). Those columns are NULL where a method has no such knob (the full cache has no budget):
+-- GROUP BY treats NULLs as equal; joins use config_label, or IS NOT DISTINCT FROM, never `=` on them.
 --
 -- Confidence interval: the Wilson score interval (Wilson 1927) at 95% (z = 1.959964) of the mean
 -- score p over n runs, treating each run as one Bernoulli trial. Exact for 0/1 scores (passkey exact

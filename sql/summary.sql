@@ -1,4 +1,4 @@
--- Summary: per sweep x config (method, budget, bits, tau_init, tau_end) x dataset x task x context.
+-- Summary: per sweep x config (config_label; see run_scores.sql) x dataset x task x context.
 -- score_mean: task score (RULER recall, passkey exact match, LongBench metric; lm: exp(-mean NLL)),
 --   with its 95% Wilson interval score_ci_low..score_ci_high (see run_scores.sql) and the full
 --   cache's mean score on the same samples (score_full_mean); score_vs_full is the paired mean of

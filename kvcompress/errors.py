@@ -3,7 +3,8 @@ imports the rest): datasets, methods, the model loader, sweeps and results all r
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Mapping
 
 
 class ConfigError(ValueError):
@@ -14,6 +15,20 @@ def check(condition: bool, field: str, allowed: str, got: Any) -> None:
     """Raise a `ConfigError` naming the field, its allowed values and what was given."""
     if not condition:
         raise ConfigError(f"{field}: expected {allowed}, got {got!r}")
+
+
+def build(kind: str, registry: Mapping[str, type], name: str, params: Mapping[str, Any]) -> Any:
+    """`registry[name](**params)` for a registry of dataclass configs (methods, datasets): an unknown
+    name or parameter is a `ConfigError` naming it and the allowed ones; the config's own
+    `__post_init__` checks the values."""
+    if name not in registry:
+        raise ConfigError(f"{kind}: expected one of {sorted(registry)}, got {name!r}")
+    cls = registry[name]
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}: unknown parameter; allowed: {allowed or 'none'}")
+    return cls(**params)
 
 
 def is_int(value: Any) -> bool:

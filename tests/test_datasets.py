@@ -322,7 +322,7 @@ def test_hf_task_picks_the_scorer(tok):
 def test_bad_parameters_raise_config_error_naming_the_field(name, params, field):
     with pytest.raises(ConfigError) as err:
         validate(name, params)
-    assert str(err.value).startswith(field)
+    assert str(err.value).startswith((f"{field}:", f"{name}.{field}:"))  # unknown ones: name.field
     with pytest.raises(ConfigError):
         load_dataset(name, **params)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import ConfigError
-from .base import DatasetConfig, Prompt, encode_prompt, prompt_tokens, sample_prompt, unknown_params
+from ..errors import ConfigError, build
+from .base import DatasetConfig, Prompt, encode_prompt, prompt_tokens, sample_prompt
 from .hf import DatasetUnavailable, HFDataset
 from .lm import LanguageModelling
 from .longbench import LongBench
@@ -41,11 +41,7 @@ DATASETS: dict[str, type[DatasetConfig]] = {
 
 def dataset_config(name: str, params: dict[str, Any]) -> DatasetConfig:
     """The validated config of dataset `name` (a ConfigError names the bad field)."""
-    if name not in DATASETS:
-        raise ConfigError(f"dataset: expected one of {sorted(DATASETS)}, got {name!r}")
-    cls = DATASETS[name]
-    unknown_params(cls, params)
-    return cls(**params)
+    return build("dataset", DATASETS, name, params)
 
 
 def dataset_params(name: str) -> dict[str, Any]:

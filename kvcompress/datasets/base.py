@@ -230,10 +230,3 @@ def fit_context(tokenizer, task_name: str, context: str, question: str, target: 
 
 def metadata_json(**values: Any) -> str:
     return json.dumps(values, sort_keys=True)
-
-
-def unknown_params(cls: type[DatasetConfig], params: dict[str, Any]) -> None:
-    allowed = [f.name for f in fields(cls)]
-    for key in params:
-        if key not in allowed:
-            raise ConfigError(f"{key}: not a parameter of dataset {cls.name!r}; expected one of {allowed}")

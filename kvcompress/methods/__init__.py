@@ -3,10 +3,9 @@ one entry in `REGISTRY`."""
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, build
 from .base import CompressedCache, Method
 from .adakv import AdaKV
 from .full import Full
@@ -29,14 +28,7 @@ REGISTRY: dict[str, type[Method]] = {
 
 def method_config(name: str, **params: Any) -> Method:
     """Build a validated method config, naming the bad field and the allowed values on error."""
-    if name not in REGISTRY:
-        raise ConfigError(f"method: expected one of {sorted(REGISTRY)}, got {name!r}")
-    cls = REGISTRY[name]
-    allowed = [f.name for f in fields(cls)]
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ConfigError(f"{name}.{unknown[0]}: unknown parameter; allowed: {allowed or 'none'}")
-    return cls(**params)
+    return build("method", REGISTRY, name, params)
 
 
 def list_methods() -> list[dict[str, Any]]:

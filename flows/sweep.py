@@ -21,7 +21,7 @@ from prefect.deployments import run_deployment
 
 from kvcompress.results import check_root, default_root, finished_run_ids, validate_sweep_id
 from kvcompress.sweep import Shard, SweepSpec, load_spec
-from kvcompress_tasks.datasets import load_dataset
+from kvcompress_tasks.datasets import prepare_dataset
 from kvcompress_tasks.regression import regression_report
 from kvcompress_tasks.report import artifact_key, publish_artifacts, report
 from kvcompress_tasks.sweep import plan_sweep, run_shard
@@ -86,7 +86,7 @@ def sweep(
     for shard in shards:
         if (shard.dataset, shard.dataset_params) not in loaded:
             loaded.append((shard.dataset, shard.dataset_params))
-            load_dataset(shard.dataset, shard.dataset_params, plan.model)
+            prepare_dataset(shard.dataset, shard.dataset_params, plan.model)
 
     progress = Progress(sweep_id, len(shards))
     shard_args = dict(model=plan.model, decode_steps=plan.decode_steps, sweep_id=sweep_id,

@@ -1,4 +1,5 @@
-"""Prefect task: load a dataset's samples (validates first, so bad parameters fail before work)."""
+"""Prefect task: build a dataset cell's samples once, before the shards that read them (bad parameters
+fail here, before any model work). Returns a count: the samples stay cached in the process."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from kvcompress.execute import load_samples
 
 
-@task(name="load-dataset", cache_policy=NO_CACHE, task_run_name="load-dataset-{dataset}")
-def load_dataset(dataset: str, params: Mapping[str, Any], model: str) -> int:
+@task(name="prepare-dataset", cache_policy=NO_CACHE, task_run_name="prepare-dataset-{dataset}")
+def prepare_dataset(dataset: str, params: Mapping[str, Any], model: str) -> int:
     """Build (and cache in-process) the samples of one dataset cell; returns the sample count."""
     return len(load_samples(dataset, params, model))

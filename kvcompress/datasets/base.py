@@ -57,7 +57,13 @@ class DatasetConfig:
         ok = (is_int(self.num_samples) and self.num_samples >= 1) or (allow_all and self.num_samples is None)
         check(ok, "num_samples", "an int >= 1" + (" or None (all rows)" if allow_all else ""), self.num_samples)
 
-    def load(self, tokenizer):
+    def load(self, tokenizer=None):
+        """The dataset: one `sample(i, tokenizer)` per row (hub-backed datasets override this)."""
+        tokenizer = resolve_tokenizer(tokenizer)
+        return to_dataset([self.sample(i, tokenizer) for i in range(self.num_samples)])
+
+    def sample(self, index: int, tokenizer) -> dict:
+        """Row `index` in the shared schema (generated datasets implement this)."""
         raise NotImplementedError
 
     def row_count(self) -> int:

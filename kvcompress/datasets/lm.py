@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from ..errors import check, is_int
 from . import essays
-from .base import DatasetConfig, _ids, fit_largest, metadata_json, resolve_tokenizer, to_dataset
+from .base import DatasetConfig, _ids, fit_largest, metadata_json
 
 MAX_CONTINUATION_TOKENS = 4096
 
@@ -34,10 +34,6 @@ class LanguageModelling(DatasetConfig):
         check(is_int(self.continuation_tokens) and 2 <= self.continuation_tokens <= MAX_CONTINUATION_TOKENS,
               "continuation_tokens", f"an int in [2, {MAX_CONTINUATION_TOKENS}]", self.continuation_tokens)
         self.check_num_samples(allow_all=False)
-
-    def load(self, tokenizer=None):
-        tokenizer = resolve_tokenizer(tokenizer)
-        return to_dataset([self.sample(i, tokenizer) for i in range(self.num_samples)])
 
     def sample(self, index: int, tokenizer) -> dict:
         start = self.rng(index).choice(essays.sentence_starts())

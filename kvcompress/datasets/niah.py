@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from ..errors import check
 from . import essays
-from .base import DatasetConfig, check_depth, encode_prompt, fit_largest, metadata_json, resolve_tokenizer, to_dataset
+from .base import DatasetConfig, check_depth, encode_prompt, fit_largest, metadata_json
 
 # (keys, values per key, keys asked)
 VARIANTS: dict[str, tuple[int, int, int]] = {
@@ -94,10 +94,6 @@ class Niah(DatasetConfig):
     def rng(self, index: int):
         # variants draw independently: the same seed does not give multikey the single variant's keys
         return random.Random(f"{self.task}:{self.seed}:{index}")
-
-    def load(self, tokenizer=None):
-        tokenizer = resolve_tokenizer(tokenizer)
-        return to_dataset([self.sample(i, tokenizer) for i in range(self.num_samples)])
 
     def sample(self, index: int, tokenizer) -> dict:
         rng = self.rng(index)

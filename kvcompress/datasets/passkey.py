@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import DatasetConfig, check_depth, encode_prompt, fit_largest, metadata_json, resolve_tokenizer, to_dataset
+from .base import DatasetConfig, check_depth, encode_prompt, fit_largest, metadata_json
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
@@ -40,10 +40,6 @@ class Passkey(DatasetConfig):
         super().__post_init__()
         check_depth(self.depth)
         self.check_num_samples(allow_all=False)
-
-    def load(self, tokenizer=None):
-        tokenizer = resolve_tokenizer(tokenizer)
-        return to_dataset([self.sample(i, tokenizer) for i in range(self.num_samples)])
 
     def sample(self, index: int, tokenizer) -> dict:
         rng = self.rng(index)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from kvcompress_reports import DEFAULT_REPORTS, connect, run_report, sweep_reports
+from kvcompress_reports import DEFAULT_REPORTS, connect, run_report, sweep_ids, sweep_reports
 from kvcompress_reports.render import artifact_cell, format_markdown
 
 
@@ -19,6 +19,8 @@ def publish_artifacts(results: str | None, sweep_id: str, reports=DEFAULT_REPORT
     """Publish one sweep's reports as Prefect artifacts: the summary as a table artifact, the
     others as Markdown tables. Returns {report name: artifact key}. Call inside a flow or task
     run so the artifacts attach to it."""
+    if len(sweep_ids(results)) < 2:  # nothing to compare the sweep with
+        reports = [r for r in reports if r != "compare_sweeps"]
     keys = {}
     for name, (columns, rows) in sweep_reports(results, sweep_id, reports).items():
         key = artifact_key(sweep_id, name)

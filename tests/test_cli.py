@@ -157,3 +157,18 @@ def _worker_online(api_url: str, pool: str, name: str) -> bool:
     except OSError:
         return False
     return any(w["name"] == name and w.get("status") == "ONLINE" for w in workers)
+
+
+def test_progress_bar_follows_the_in_process_sweep(monkeypatch, capsys):
+    """On a terminal, `kvcompress sweep` shows a rich progress bar fed by the flow's shard progress."""
+    from kvcompress_flows import cli
+    from kvcompress_flows.sweep import PROGRESS_LISTENERS
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with cli.progress_bar():
+        (listener,) = PROGRESS_LISTENERS
+        listener(0, 3, "sweep s")
+        listener(3, 3, "passkey #2: {'ran': 3}")
+    assert PROGRESS_LISTENERS == []
+    err = capsys.readouterr().err
+    assert "3/3" in err and "passkey #2" in err

@@ -3,8 +3,8 @@ and JSON scalars for Prefect artifacts.
 
 The one screen (`screen`) is what a user asks first: per config and task of one sweep, the score
 with its 95% interval, the paired difference from the full cache, KL, top-1 agreement, resident
-KV bytes relative to the full cache, decode speed; then the score/memory Pareto front. Everything
-else is a named report (`kvcompress report --all`, `--report NAME`).
+KV bytes relative to the full cache, decode speed, and which configs are on the score/memory
+Pareto front. Everything else is a named report (`kvcompress report --all`, `--report NAME`).
 """
 
 from __future__ import annotations
@@ -118,30 +118,32 @@ def _config(label: str) -> tuple[str, str]:
 
 
 NOT_DISTINGUISHABLE = "~"
+ON_FRONT = "◆"
 
 
 def screen(con, sweep_id: str) -> list:
-    """The one-screen report of `sweep_id`: the summary (one row per config x protocol x task) with
-    the paired difference from the full cache, then the configs on the score/memory Pareto front."""
+    """The one-screen report of `sweep_id`: one row per config x protocol x task with the score
+    and its 95% interval, the paired difference from the full cache, fidelity, memory and speed,
+    and a mark on the configs of each dataset's score/memory Pareto front (`pareto.sql`)."""
     summary = _records(con, "summary", sweep_id)
     paired = {(r["protocol"], r["dataset"], r["task"], r["context_tokens"], r["config_label"]): r
               for r in _records(con, "paired", sweep_id)}
-    front = [r for r in _records(con, "pareto", sweep_id) if r["on_front"]]
+    front = {(r["dataset"], r["context_tokens"], r["config_label"])
+             for r in _records(con, "pareto", sweep_id) if r["on_front"]}
     contexts = {r["context_tokens"] for r in summary}
     protocols = {r["protocol"] for r in summary}
-    task_names = {r["task"] for r in summary}
-    qualified = len(task_names) < len({(r["dataset"], r["task"]) for r in summary})  # a task name in 2 datasets
+    qualified = len({r["task"] for r in summary}) < len({(r["dataset"], r["task"]) for r in summary})
 
-    def style(title: str) -> Table:
-        return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-
-    out = style(f"Sweep {sweep_id}  (vs full: paired score difference; {NOT_DISTINGUISHABLE} not distinguishable)")
+    out = Table(title=f"Sweep {sweep_id}  (vs full: paired difference, {NOT_DISTINGUISHABLE} not distinguishable; "
+                      f"{ON_FRONT} Pareto front of score vs KV bytes)",
+                title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     out.add_column("config", overflow="fold", min_width=24)
     if len(protocols) > 1:
         out.add_column("protocol")
     out.add_column("task" if len(contexts) == 1 else "task @ctx", overflow="fold")
     for name in ("n", "score (95% CI)", "vs full", "KL", "top-1", "KV/full", "tok/s"):
         out.add_column(name, justify="right", no_wrap=True)
+    out.add_column("front", justify="center")
     for r in summary:
         config, protocol = _config(r["config_label"])
         task = f"{r['dataset']}/{r['task']}" if qualified else r["task"]
@@ -155,25 +157,12 @@ def screen(con, sweep_id: str) -> list:
         else:
             mark = NOT_DISTINGUISHABLE if diff.get("vs_full") == "not distinguishable" else " "
             versus = _number(diff.get("diff_vs_full"), "+.2f") + mark
-        cells = [config, *([protocol] if len(protocols) > 1 else []), task, str(r["runs"]),
-                 _number(r["score_mean"], ".2f") + ci, versus, _number(r["kl_mean"], ".3g"),
-                 _number(r["top1_agree"], ".2f"), _number(r["kv_ratio_to_full"], ".2f"), _number(r["decode_tok_s"], ".1f")]
-        out.add_row(*cells)
-
-    pareto = style("Pareto front: score vs resident KV bytes")
-    pareto.add_column("dataset" if len(contexts) == 1 else "dataset @ctx")
-    pareto.add_column("config", overflow="fold", min_width=24)
-    if len(protocols) > 1:
-        pareto.add_column("protocol")
-    for name in ("n", "score", "KV/full", "KV bytes"):
-        pareto.add_column(name, justify="right", no_wrap=True)
-    for r in front:
-        config, protocol = _config(r["config_label"])
-        where = r["dataset"] if len(contexts) == 1 else f"{r['dataset']} @{r['context_tokens']}"
-        pareto.add_row(where, config, *([protocol] if len(protocols) > 1 else []), str(r["runs"]),
-                       _number(r["score_mean"], ".2f"), _number(r["kv_ratio_to_full"], ".2f"),
-                       f"{r['live_kv_bytes']:,}")
-    return [out, pareto]
+        on_front = ON_FRONT if (r["dataset"], r["context_tokens"], r["config_label"]) in front else ""
+        out.add_row(config, *([protocol] if len(protocols) > 1 else []), task, str(r["runs"]),
+                    _number(r["score_mean"], ".2f") + ci, versus, _number(r["kl_mean"], ".3g"),
+                    _number(r["top1_agree"], ".2f"), _number(r["kv_ratio_to_full"], ".2f"),
+                    _number(r["decode_tok_s"], ".1f"), on_front)
+    return [out]
 
 
 def artifact_cell(value):

@@ -449,7 +449,10 @@ def test_report_fits_one_screen_and_points_to_the_rest(fixture_results, tmp_path
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) <= 50 and max(len(line) for line in lines) <= 120, done.stdout
-    assert lines[0].startswith("Sweep s2") and "Pareto front: score vs resident KV bytes" in done.stdout
+    assert lines[0].startswith("Sweep s2") and "◆ Pareto front of score vs KV bytes" in lines[0]
+    # the Pareto front (pareto.sql's on_front) is marked on its configs' rows
+    front = [line.strip().split("  ")[0] for line in lines if line.rstrip().endswith("◆")]
+    assert front and "kivi bits=2" in front
     assert f"HTML report (every report, 5 plots): {tmp_path / 'r.html'}" in done.stdout
     assert (tmp_path / "r.html").exists() and "--all" in lines[-2] and "s1" in lines[-1]
     # one row per config x task of s2, scores as in the runs

@@ -106,7 +106,7 @@ def print_screen(results: str, sweep_id: str | None = None, baseline: str | None
     sweeps = sweep_ids(con)
     sweep_id = sweep_id or sweeps[0]
     check(sweep_id in sweeps, "--sweep", f"one of {sweeps}", sweep_id)
-    print(to_text(*screen(con, sweep_id)))
+    print(to_text(*screen(con, sweep_id)) + "\n")
     if html is not None:
         from kvcompress_reports.html_report import write_html
 

@@ -130,25 +130,28 @@ def screen(con, sweep_id: str) -> list:
               for r in _records(con, "paired", sweep_id)}
     front = {(r["dataset"], r["context_tokens"], r["config_label"])
              for r in _records(con, "pareto", sweep_id) if r["on_front"]}
-    contexts = {r["context_tokens"] for r in summary}
+    # a task run at several context lengths shows the length (else the task name says it all)
+    several = len({(r["dataset"], r["task"], r["context_tokens"]) for r in summary}) > len(
+        {(r["dataset"], r["task"]) for r in summary})
     protocols = {r["protocol"] for r in summary}
     qualified = len({r["task"] for r in summary}) < len({(r["dataset"], r["task"]) for r in summary})
 
     out = Table(title=f"Sweep {sweep_id}  (vs full: paired difference, {NOT_DISTINGUISHABLE} not distinguishable; "
                       f"{ON_FRONT} Pareto front of score vs KV bytes)",
-                title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    out.add_column("config", overflow="fold", min_width=24)
-    if len(protocols) > 1:
-        out.add_column("protocol")
-    out.add_column("task" if len(contexts) == 1 else "task @ctx", overflow="fold")
+                title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
+    out.add_column("  config", overflow="fold", min_width=24)
+    out.add_column("task", overflow="fold")
+    if several:
+        out.add_column("ctx", justify="right")
     for name in ("n", "score (95% CI)", "vs full", "KL", "top-1", "KV/full", "tok/s"):
         out.add_column(name, justify="right", no_wrap=True)
-    out.add_column("front", justify="center")
+    protocol_shown = None
     for r in summary:
-        config, protocol = _config(r["config_label"])
+        config, _ = _config(r["config_label"])
+        if len(protocols) > 1 and r["protocol"] != protocol_shown:  # a heading row per protocol
+            protocol_shown = r["protocol"]
+            out.add_row(f"{r['protocol']}:")
         task = f"{r['dataset']}/{r['task']}" if qualified else r["task"]
-        if len(contexts) > 1:
-            task += f" @{r['context_tokens']}"
         diff = paired.get((r["protocol"], r["dataset"], r["task"], r["context_tokens"], r["config_label"]), {})
         ci = (f" ({_number(r['score_ci_low'], '.2f')}-{_number(r['score_ci_high'], '.2f')})"
               if r["score_ci_low"] is not None else "")
@@ -157,11 +160,12 @@ def screen(con, sweep_id: str) -> list:
         else:
             mark = NOT_DISTINGUISHABLE if diff.get("vs_full") == "not distinguishable" else " "
             versus = _number(diff.get("diff_vs_full"), "+.2f") + mark
-        on_front = ON_FRONT if (r["dataset"], r["context_tokens"], r["config_label"]) in front else ""
-        out.add_row(config, *([protocol] if len(protocols) > 1 else []), task, str(r["runs"]),
-                    _number(r["score_mean"], ".2f") + ci, versus, _number(r["kl_mean"], ".3g"),
+        on_front = (r["dataset"], r["context_tokens"], r["config_label"]) in front
+        out.add_row(f"{ON_FRONT if on_front else ' '} {config}", task,
+                    *([str(r["context_tokens"])] if several else []), str(r["runs"]),
+                    _number(r["score_mean"], ".2f") + ci, versus, _number(r["kl_mean"], ".2g"),
                     _number(r["top1_agree"], ".2f"), _number(r["kv_ratio_to_full"], ".2f"),
-                    _number(r["decode_tok_s"], ".1f"), on_front)
+                    _number(r["decode_tok_s"], ".1f"))
     return [out]
 
 

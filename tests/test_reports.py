@@ -442,6 +442,7 @@ def test_evidence_report_splits_scores_by_evidence_kept(fixture_results):
 def test_report_fits_one_screen_and_points_to_the_rest(fixture_results, tmp_path):
     """`kvcompress report`: the newest sweep's summary and Pareto front in <= 120 columns and one
     screen, the HTML report's path, and how to get every other report."""
+    from kvcompress_reports import connect, run_report
     from tests.test_cli import kvcompress
 
     root, runs, _ = fixture_results
@@ -451,16 +452,21 @@ def test_report_fits_one_screen_and_points_to_the_rest(fixture_results, tmp_path
     assert len(lines) <= 50 and max(len(line) for line in lines) <= 120, done.stdout
     assert lines[0].startswith("Sweep s2") and "◆ Pareto front of score vs KV bytes" in lines[0]
     # the Pareto front (pareto.sql's on_front) is marked on its configs' rows
-    front = [line.strip().split("  ")[0] for line in lines if line.rstrip().endswith("◆")]
-    assert front and "kivi bits=2" in front
+    front = {line[2:].split("  ")[0] for line in lines if line.startswith("◆ ")}
+    con = connect(root)
+    columns, rows = run_report(con, "pareto")
+    expected = {r[columns.index("config_label")] for r in rows
+                if r[columns.index("sweep_id")] == "s2" and r[columns.index("on_front")]}
+    assert front == expected and "kivi bits=2" in front
     assert f"HTML report (every report, 5 plots): {tmp_path / 'r.html'}" in done.stdout
     assert (tmp_path / "r.html").exists() and "--all" in lines[-2] and "s1" in lines[-1]
     # one row per config x task of s2, scores as in the runs
     s2 = [r for r in runs if r["sweep_id"] == "s2" and r["status"] == "ok"]
     full_niah = [r["score"] for r in s2 if r["method"] == "full" and r["task"] == "niah"]
-    row = next(line for line in lines if line.split()[:2] == ["full", "niah"])
+    row = next(line for line in lines if line[2:].split()[:2] == ["full", "niah"])
     assert f"{sum(full_niah) / len(full_niah):.2f} (" in row
-    assert sum(line.split()[:1] in (["full"], ["kivi"], ["snapkv"], ["keyformer"]) for line in lines) >= 14
+    configs = {(r["method"], r["budget"], r["bits"], r["tau_init"], r["task"]) for r in s2}
+    assert sum(line[2:].split()[:1] in (["full"], ["kivi"], ["snapkv"], ["keyformer"]) for line in lines) == len(configs)
 
 
 def test_report_formats_for_scripts(fixture_results):

@@ -4,6 +4,8 @@ survival vs correctness.
 
     python benchmarks/quality_tables.py --results results-quality [--baseline 'h2o budget=0.5'] [--pivot]
 
+`--protocols` prints, per config and task, query-aware minus query-agnostic on the same samples
+(paired bootstrap 95% CI, exact McNemar p for 0/1 scores).
 `--pivot` prints instead one compact table per (sweep, protocol, context): a row per config, a column
 per task, each cell "score diff-vs-full [95% CI] verdict" (n in the header), plus evidence kept.
 """
@@ -72,15 +74,45 @@ def pivot(con) -> None:
             print(f"| {config} | " + " | ".join(row) + " |")
 
 
+def protocols(con) -> None:
+    """Query-aware vs query-agnostic, paired on the sample: same config, task, context and sample id."""
+    from kvcompress.stats import compare
+
+    rows = con.execute("""
+        SELECT sweep_id, task, context_tokens, replace(config_label, ' protocol=query_agnostic', '') AS config,
+               sample_id, protocol, avg(score) AS score
+        FROM run_scores GROUP BY ALL
+    """).fetchall()
+    cells: dict = {}
+    for sweep, task, context, config, sample, protocol, score in rows:
+        cells.setdefault((sweep, task, context, config), {}).setdefault(sample, {})[protocol] = score
+    print("| sweep | task | context | config | n | aware | agnostic | aware - agnostic [95% CI] | McNemar p | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (sweep, task, context, config), samples in sorted(cells.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        both = [(v["query_aware"], v["query_agnostic"]) for v in samples.values() if len(v) == 2]
+        if not both:
+            continue
+        aware, agnostic = [a for a, _ in both], [b for _, b in both]
+        r = compare(aware, agnostic)
+        p = "-" if r.mcnemar_p is None else f"{r.mcnemar_p:.3g}"
+        verdict = {"better": "aware better", "worse": "agnostic better"}.get(r.verdict, r.verdict)
+        print(f"| {sweep} | {task} | {context} | {config} | {r.n} | {sum(aware) / r.n:.2f} | {sum(agnostic) / r.n:.2f} | "
+              f"{r.diff_mean:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}] | {p} | {verdict} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", default="results")
     parser.add_argument("--baseline", default=None)
     parser.add_argument("--pivot", action="store_true", help="compact tables: configs x tasks")
+    parser.add_argument("--protocols", action="store_true", help="query-aware vs query-agnostic, paired")
     args = parser.parse_args()
     con = connect(args.results, args.baseline)
-    if args.pivot:
-        pivot(con)
+    if args.pivot or args.protocols:
+        if args.pivot:
+            pivot(con)
+        if args.protocols:
+            protocols(con)
         return
     print("## Scores (Wilson 95% CI)\n")
     print(table(con, "summary", SUMMARY))

@@ -113,8 +113,9 @@ def print_screen(results: str, sweep_id: str | None = None, baseline: str | None
         path = write_html(results, html or default_html_path(results, sweep_id), sweep_id=sweep_id, baseline=baseline)
         print(f"HTML report (every report, 5 plots): {path}")
     others = f"; other sweeps (--sweep ID): {', '.join(s for s in sweeps if s != sweep_id)}" if len(sweeps) > 1 else ""
-    print(textwrap.fill(f"More: --all (every report), --report NAME ({', '.join(report_names())}), "
-                        f"--format csv|json|markdown{others}", width=SCREEN_WIDTH, subsequent_indent="  "))
+    names = [n for n in report_names() if n in ("paired", "pareto", "speed_memory", "evidence")]
+    print(textwrap.fill(f"More: --all, --report NAME (e.g. {', '.join(names)}), --format csv|json|markdown{others}",
+                        width=SCREEN_WIDTH, subsequent_indent="  "))
 
 
 def cmd_report(args) -> int:

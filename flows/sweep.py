@@ -19,7 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
-from kvcompress.results import check_root, default_root, finished_run_ids, validate_sweep_id
+from kvcompress.results import check_root, configs_without_ok_run, default_root, finished_run_ids, validate_sweep_id
 from kvcompress.sweep import Shard, SweepSpec, load_spec
 from kvcompress_tasks.datasets import prepare_dataset
 from kvcompress_tasks.regression import regression_report
@@ -108,6 +108,10 @@ def sweep(
     publish_artifacts(results, sweep_id)
     if nightly:
         regression_report(results, sweep_id)
+    broken = configs_without_ok_run(results, sweep_id)
+    if broken:  # after the reports, so what did run is published; the sweep itself ends failed
+        lines = "; ".join(f"{label}: {error[:200]}" for label, error in broken.items())
+        raise RuntimeError(f"sweep {sweep_id}: {len(broken)} config(s) have no ok run: {lines}")
     return rows
 
 

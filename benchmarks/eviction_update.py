@@ -4,13 +4,15 @@ One decode step = update_and_fetch (append) + attention (output, score update, o
 compaction where the method evicts while decoding), timed on caches already at capacity. "batched"
 is one cache whose rows are all B*H_kv heads; "loop" is one single-row cache per head stepped in a
 Python loop (what a per-head implementation costs). GQA 3 queries per KV head, D = 64 (the
-embedded model's shape). Median of `reps` steps after one warm-up.
+embedded model's shape); n_kept 512 / 2048 / 8192 x rows 3 / 8 / 32 (issue #3's table). Median of
+`REPS` steps after one warm-up; the machine's load average is printed first (the CPU is shared).
 
     .venv/bin/python benchmarks/eviction_update.py [method ...]
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -22,17 +24,20 @@ from kvcompress.methods import REGISTRY, method_config
 from kvcompress.methods.eviction import Eviction, EvictionCache
 
 REP, D = 3, 64
+REPS = 5
+SIZES = [(n_kept, rows) for n_kept in (512, 2048, 8192) for rows in (3, 8, 32)]
 
 
 def steady_cache(cfg, rows, n_kept, rope):
     """A cache right after its prompt was compressed, holding n_kept random tokens per row."""
     cache = EvictionCache(cfg, 0, 1, rows, D, rope, D**-0.5)
     cache.batch = 1
-    cache.keys, cache.values = mx.random.normal((rows, n_kept, D)), mx.random.normal((rows, n_kept, D))
-    cache.positions = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (rows, n_kept))
-    cache.scores = None if cfg.decode == "grow" else mx.random.uniform(shape=(rows, n_kept))
     cache.position = cache.offset = cache.prompt_len = n_kept
     cache.capacity, cache.recent = cfg.resolve(n_kept)
+    keys, values = mx.random.normal((rows, n_kept, D)), mx.random.normal((rows, n_kept, D))
+    positions = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (rows, n_kept)) + 0
+    scores = None if cfg.decode == "grow" else mx.random.uniform(shape=(rows, n_kept))
+    cache.state = (keys, values, scores, positions, None, None, cache.meta_state)  # as a loaded cache
     mx.eval(cache.state[:4])
     return cache
 
@@ -55,28 +60,27 @@ def median_ms(fn, reps):
 
 def main(names):
     rope = nn.RoPE(D, base=100000.0)
+    print(f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}, cores: {os.cpu_count()}")
     print("| method | n_kept | B*H_kv | batched ms | loop ms | loop / batched |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name in names:
         cfg = method_config(name, budget=1.0)
-        for n_kept in (512, 2048):
-            for rows in (3, 32):
-                reps = 7
-                k = mx.random.normal((1, rows, 1, D))
-                v = mx.random.normal((1, rows, 1, D))
-                q = mx.random.normal((1, rows * REP, 1, D))
-                batched = steady_cache(cfg, rows, n_kept, rope)
-                batched_ms = median_ms(lambda: step(batched, k, v, q), reps)
-                del batched
-                heads = [steady_cache(cfg, 1, n_kept, rope) for _ in range(rows)]
+        for n_kept, rows in SIZES:
+            k = mx.random.normal((1, rows, 1, D))
+            v = mx.random.normal((1, rows, 1, D))
+            q = mx.random.normal((1, rows * REP, 1, D))
+            batched = steady_cache(cfg, rows, n_kept, rope)
+            batched_ms = median_ms(lambda: step(batched, k, v, q), REPS)
+            del batched
+            heads = [steady_cache(cfg, 1, n_kept, rope) for _ in range(rows)]
 
-                def loop():
-                    for h, cache in enumerate(heads):
-                        step(cache, k[:, h : h + 1], v[:, h : h + 1], q[:, h * REP : (h + 1) * REP])
+            def loop():
+                for h, cache in enumerate(heads):
+                    step(cache, k[:, h : h + 1], v[:, h : h + 1], q[:, h * REP : (h + 1) * REP])
 
-                loop_ms = median_ms(loop, reps)
-                del heads
-                print(f"| {name} | {n_kept} | {rows} | {batched_ms:.2f} | {loop_ms:.2f} | {loop_ms / batched_ms:.1f} |")
+            loop_ms = median_ms(loop, REPS)
+            del heads
+            print(f"| {name} | {n_kept} | {rows} | {batched_ms:.2f} | {loop_ms:.2f} | {loop_ms / batched_ms:.1f} |")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ Life of a cache. Prefill keeps every token (full causal attention, however mlx-l
 prompt); "accumulate" methods score each chunk as it comes, the others remember the last `window()`
 queries. The first single-token call is the prompt's last query (mlx-lm's generate feeds it alone):
 after it the cache resolves the budget to `capacity` tokens per row (and `recent`, the protected
-window), scores the prompt and selects: the first `n_sink` and last `recent` slots are kept, then
+window), scores the prompt and selects: the first `n_sink` and newest `recent` tokens are kept, then
 the highest-scoring rest. Each later step adds the new token, updates scores, and evicts the lowest
 unprotected token per row (kvcompress/kernels/evict.py). The sweep's `from_prefill` reaches the same
 state from a finished full prefill (tested: same positions, same scores).
@@ -470,8 +470,14 @@ class EvictionCache(CompressedCache):
         if S == 0:
             return
         start, end = self.length, self.length + S
-        # room: exactly what is needed, except a "grow" cache decoding (it appends every step)
-        spare = GROW_STEP if self.prompt_len is not None and self.config.decode == "grow" else 0
+        # spare room once decoding: a "grow" cache appends every step; an evicting one needs its
+        # capacity + 1 slots (a budget above the prompt fills up first); the prompt comes in chunks
+        if self.prompt_len is None:
+            spare = 0
+        elif self.config.decode == "grow":
+            spare = GROW_STEP
+        else:
+            spare = max(0, min(GROW_STEP, self.capacity + 1 - end))
         self._keys, self._values, self._positions = (_room(a, start, end, spare) for a in (self._keys, self._values, self._positions))
         self._keys[:, start:end] = keys
         self._values[:, start:end] = values

@@ -8,6 +8,7 @@ Budgets are 50% of the prompt. Cells are skipped once `--budget-s` seconds have 
 device call ends in time); the table says which ran.
 
     source /tmp/mlx-cuda-env.sh && python3 benchmarks/eviction_gpu_memory.py 8192 32768 [--budget-s 300]
+        [--methods full,h2o,...]
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def one_cell(model, method, tokens):
             "prefill_s": prefill_s, "decode_ms_step": statistics.median(times[2:])}
 
 
-def main(contexts, budget_s):
+def main(contexts, budget_s, methods=METHODS):
     print(f"device: {mx.default_device()}, {LAYERS} layers of the Llama-3.1-8B shape, fp16, chunks of {CHUNK}", flush=True)
     model = model_8b_shape()
     warm = mx.random.randint(0, 32000, (1, 4096))
@@ -88,8 +89,8 @@ def main(contexts, budget_s):
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for T in contexts:
         tokens = mx.random.randint(0, 32000, (1, T), key=mx.random.key(T))
-        full_peak = None
-        for method in METHODS:
+        full_peak = None  # ratios need "full" first in --methods
+        for method in methods:
             if time.perf_counter() - started > budget_s:
                 print(f"| {T} | {method} | skipped (time budget) | | | | |", flush=True)
                 continue
@@ -116,4 +117,12 @@ if __name__ == "__main__":
         at = args.index("--budget-s")
         budget = float(args[at + 1])
         del args[at : at + 2]
-    main([int(a) for a in args] or [8192, 32768], budget)
+    methods = METHODS
+    if "--methods" in args:
+        at = args.index("--methods")
+        methods = args[at + 1].split(",")
+        del args[at : at + 2]
+        unknown = sorted(set(methods) - set(METHODS))
+        if unknown:
+            sys.exit(f"--methods: unknown {unknown}; expected some of {METHODS}")
+    main([int(a) for a in args] or [8192, 32768], budget, methods)

@@ -135,3 +135,12 @@ def test_embedded_model_stream_generate_drop_in():
     assert squeezed[0].tokens_kept == squeezed[0].capacity == round(0.5 * squeezed[0].prompt_len)
     assert squeezed[5].offset in (len(prompt) + 7, len(prompt) + 8) and text  # mlx-lm may feed the last token
     assert squeezed[0].live_kv_bytes == squeezed[0].capacity * 3 * (64 * 4 * 2 + 4 + 4)
+
+
+def test_fused_noise_matches_the_plain_chain():
+    # the GPU path (one compiled kernel) against the op-by-op chain; run here on the CPU's compiler
+    keys = mx.broadcast_to(mx.arange(300, dtype=mx.int32), (2, 300))
+    heads = mx.arange(4, dtype=mx.uint32).reshape(2, 2)
+    plain = gumbel_noise(7, 3, heads, mx.array([10, 11, 12]), keys, fused=False)
+    fused = gumbel_noise(7, 3, heads, mx.array([10, 11, 12]), keys, fused=True)
+    assert mx.allclose(fused, plain, rtol=1e-6, atol=1e-6).item()

@@ -18,12 +18,27 @@ def mix(x: mx.array) -> mx.array:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: int, layer: int, heads: mx.array, query_positions: mx.array | None, key_positions: mx.array) -> mx.array:
+def _gumbel_from(step: mx.array, key_positions: mx.array) -> mx.array:
+    """step [R, G, L] stream-and-query hashes, key_positions [R or 1, n] -> Gumbel noise [R, G, L, n]."""
+    h = mix(step[..., None] ^ key_positions.astype(mx.uint32)[:, None, None, :])
+    u = ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    return -mx.log(-mx.log(u))
+
+
+# The per-element chain is ~17 elementwise ops; on a GPU each would be a kernel reading and writing the
+# whole [R, G, L, n] tile (prompt scoring at 32k spent most of its time here). mx.compile fuses them
+# into one kernel. Integer hashing is exact either way; on the CPU MLX compiles with the system C++
+# compiler per shape, which costs more than it saves, so the CPU keeps the plain chain.
+_gumbel_fused = mx.compile(_gumbel_from)
+
+
+def gumbel_noise(seed: int, layer: int, heads: mx.array, query_positions: mx.array | None, key_positions: mx.array,
+                 fused: bool | None = None) -> mx.array:
     """Gumbel(0, 1) noise [R, G, L, n] (L = 1 when query_positions is None: frozen noise).
 
     heads [R, G] uint32 stream ids (query heads), query_positions [L] true positions of the query
     steps, key_positions [R or 1, n] true positions of the keys. zeta = -log(-log(u)), u uniform in
-    (0, 1) from 24 hash bits.
+    (0, 1) from 24 hash bits. `fused` (default: on a GPU) evaluates the element chain as one kernel.
     """
     u32 = mx.uint32
     stream = mix(mix(mix(mx.array(seed, u32)) ^ mx.array(layer, u32)) ^ heads.astype(u32))  # [R, G]
@@ -31,6 +46,6 @@ def gumbel_noise(seed: int, layer: int, heads: mx.array, query_positions: mx.arr
         step = mix(stream)[..., None]  # [R, G, 1]
     else:
         step = mix(stream[..., None] ^ (query_positions.astype(u32) + 1))  # [R, G, L]
-    h = mix(step[..., None] ^ key_positions.astype(u32)[:, None, None, :])
-    u = ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
-    return -mx.log(-mx.log(u))
+    if fused is None:
+        fused = mx.default_device().type == mx.DeviceType.gpu
+    return (_gumbel_fused if fused else _gumbel_from)(step, key_positions)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run sweep grids on one GPU (MLX CUDA) with several processes, resumably, until a deadline; pack the
+# results into $OUT (the device tool brings them back). Used for the quality tables (many CPU hours
+# on 2 cores, minutes on an H200: the embedded model is small, so N processes keep the GPU busy).
+#
+#   bash benchmarks/gpu_grid.sh SECONDS WORKERS GRID [GRID ...]
+#
+# Expects MLX CUDA on PYTHONPATH (../shared/gpu: `source /tmp/mlx-cuda-env.sh`) and the embedded model
+# and essays unpacked under $KVCOMPRESS_CACHE/wheels (kvcompress.embedded's fallback location).
+# Results accumulate in $KV_RESULTS (default /tmp/kv-results): a later call resumes where this one stopped.
+set -u
+seconds=$1; workers=$2; shift 2
+results=${KV_RESULTS:-/tmp/kv-results}
+end=$(( $(date +%s) + seconds ))
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+mkdir -p "$results" "${OUT:-/tmp/out}"
+for ((i = 0; i < workers; i++)); do
+  (
+    for grid in "$@"; do
+      left=$(( end - $(date +%s) ))
+      [ "$left" -gt 0 ] || break
+      python3 benchmarks/run_grid.py "$grid" --interleave --results "$results" \
+        --workers "$workers" --worker "$i" --deadline "$left"
+    done
+  ) > "${OUT:-/tmp/out}/worker-$i.log" 2>&1 &
+done
+wait
+tail -n 2 "${OUT:-/tmp/out}"/worker-*.log | grep -v '^$' | tail -n 40
+echo "runs files: $(find "$results/runs" -name '*.parquet' | wc -l)"
+tar -C "$(dirname "$results")" -cJf - "$(basename "$results")" | split -b 15m - "${OUT:-/tmp/out}/results.tar.xz."

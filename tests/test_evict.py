@@ -89,7 +89,8 @@ def test_evict_one_goes_through_the_kernel_dispatch_and_records_its_path():
     out = kernel.evict_one(keys, values, scores, positions, scores, 1, 2)
     ref = kernel.evict_one_reference(keys, values, scores, positions, scores, 1, 2)
     assert all(mx.array_equal(a, b).item() for a, b in zip(out, ref))
-    assert dispatch.paths_used() == {"evict_one/cpu/float32": "reference"}  # no GPU here
+    gpu = dispatch.gpu_backend()  # on a GPU the fused kernel runs (it passed its self-test)
+    assert dispatch.paths_used() == {f"evict_one/{gpu or 'cpu'}/float32": "fused" if gpu else "reference"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,4 +134,5 @@ def test_evict_slot_goes_through_the_kernel_dispatch_and_records_its_path():
     evict_by, positions = (mx.array(a) for a in _slot_inputs(3, 20, seed=1, ties=True))
     dispatch.reset_paths()
     assert mx.array_equal(kernel.evict_slot(evict_by, positions, 2, 50), kernel.evict_slot_reference(evict_by, positions, 2, 50)).item()
-    assert dispatch.paths_used() == {"evict_slot/cpu/float32": "reference"}  # no GPU here
+    gpu = dispatch.gpu_backend()
+    assert dispatch.paths_used() == {f"evict_slot/{gpu or 'cpu'}/float32": "fused" if gpu else "reference"}

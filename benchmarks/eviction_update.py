@@ -7,6 +7,11 @@ Python loop (what a per-head implementation costs). GQA 3 queries per KV head, D
 embedded model's shape); n_kept 512 / 2048 / 8192 x rows 3 / 8 / 32 (issue #3's table). Median of
 `REPS` steps after one warm-up; the machine's load average is printed first (the CPU is shared).
 
+First, a small table answering: does MLX write into a buffer in place? A one-token write into a
+[32, n, 64] float32 buffer per row (scatter, `mx.put_along_axis`; slice assignment `a[:, i] = x`)
+when the buffer's only reference is handed over, the same scatter while a second reference is
+alive, and a plain full copy (`a + 0`) for scale. The cache relies on the first kind.
+
     .venv/bin/python benchmarks/eviction_update.py [method ...]
 """
 
@@ -58,9 +63,43 @@ def median_ms(fn, reps):
     return sorted(times)[len(times) // 2]
 
 
+def in_place_table(rows=32):
+    print("| n slots | scatter, sole reference ms | slice assign, sole reference ms | scatter, 2nd reference alive ms | full copy ms |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for n in (512, 8192):
+        state = {"buffer": mx.random.normal((rows, n, D))}
+        token = mx.random.normal((rows, 1, D))
+        slot = mx.random.randint(0, n, (rows, 1, 1)).astype(mx.int32)
+        mx.eval(state["buffer"], token, slot)
+
+        def scatter():
+            state["buffer"] = mx.put_along_axis(state.pop("buffer"), slot, token, axis=1)
+            mx.eval(state["buffer"])
+
+        def assign():
+            buffer = state.pop("buffer")
+            buffer[:, 5:6] = token
+            state["buffer"] = buffer
+            mx.eval(buffer)
+
+        def scatter_held():
+            held = state["buffer"]  # alive while the scatter runs: MLX must copy
+            state["buffer"] = mx.put_along_axis(held, slot, token, axis=1)
+            mx.eval(state["buffer"])
+
+        def copy():
+            state["buffer"] = state.pop("buffer") + 0
+            mx.eval(state["buffer"])
+
+        times = [median_ms(fn, 9) for fn in (scatter, assign, scatter_held, copy)]
+        print(f"| {n} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
+    print()
+
+
 def main(names):
     rope = nn.RoPE(D, base=100000.0)
     print(f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}, cores: {os.cpu_count()}")
+    in_place_table()
     print("| method | n_kept | B*H_kv | batched ms | loop ms | loop / batched |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name in names:

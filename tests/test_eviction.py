@@ -158,6 +158,25 @@ def test_exact_decode_step_writes_one_token_per_row_and_reports_every_slot(name)
         assert c.live_kv_bytes == 3 * budget * (2 * 16 * 4 + 4 + 4)
 
 
+@pytest.mark.parametrize("name", ["keyformer", "streaming", "snapkv"])
+def test_decode_steps_update_the_cache_buffers_in_place(name):
+    # MLX writes into a buffer in place when nothing else holds it; a step that copied the cache
+    # would get a new buffer (the address is read through numpy's zero-copy view, dropped at once)
+    def address(a):
+        view = np.asarray(a)
+        return view.__array_interface__["data"][0]
+
+    drive = Drive(small(name, 16), B=1, H=2, rep=2, D=16, T=48, steps=8, seed=2)
+    drive.prefill()
+    c = drive.cache
+    addresses = []
+    for p in range(48, 56):
+        drive.feed(p)
+        if p >= 50:  # the first step after selection allocates the spare slot (or room)
+            addresses.append([address(a) for a in (c._keys, c._values, c._positions) if a is not None])
+    assert all(a == addresses[0] for a in addresses)
+
+
 # ---------------------------------------------------------------------------------------------
 # batched == a plain per-row loop (numpy, token by token), every per-row method
 

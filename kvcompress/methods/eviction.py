@@ -401,6 +401,9 @@ class EvictionCache(CompressedCache):
             if self.config.positions == "exact":
                 # one pass: nothing moves now; update_and_fetch writes the next token into this slot
                 self.free = evict_slot(evict_by, self.positions, self.config.n_sink, self._recent_start())
+                # start it now: left lazy, its reads of the positions buffer were still pending when
+                # the next step wrote into that buffer, and MLX then copied it (seen on CPU)
+                mx.async_eval(self.free)
                 return
             if self.rope_step is None:
                 cos, sin = rope_rotations(self.rope, self.head_dim, 2)

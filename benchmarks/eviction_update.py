@@ -5,7 +5,8 @@ compaction where the method evicts while decoding), timed on caches already at c
 is one cache whose rows are all B*H_kv heads; "loop" is one single-row cache per head stepped in a
 Python loop (what a per-head implementation costs). GQA 3 queries per KV head, D = 64 (the
 embedded model's shape); n_kept 512 / 2048 / 8192 x rows 3 / 8 / 32 (issue #3's table). Median of
-`REPS` steps after one warm-up; the machine's load average is printed first (the CPU is shared).
+`REPS` steps after one warm-up, batched and loop steps taking turns (a change in the machine's load
+hits both alike: the CPU is shared; its load average is printed first and last).
 
 First, a small table answering: does MLX write into a buffer in place? A one-token write into a
 [32, n, 64] float32 buffer per row (scatter, `mx.put_along_axis`; slice assignment `a[:, i] = x`)
@@ -29,7 +30,7 @@ from kvcompress.methods import REGISTRY, method_config
 from kvcompress.methods.eviction import Eviction, EvictionCache
 
 REP, D = 3, 64
-REPS = 5
+REPS = 7
 SIZES = [(n_kept, rows) for n_kept in (512, 2048, 8192) for rows in (3, 8, 32)]
 
 
@@ -53,14 +54,16 @@ def step(cache, k, v, q):
     mx.eval(out, *cache.state[:4])
 
 
-def median_ms(fn, reps):
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+def median_ms(*fns, reps):
+    """Median ms of each fn, the fns taking turns."""
+    times = [[] for _ in fns]
+    for rep in range(reps + 1):
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            if rep:  # the first round is the warm-up
+                spent.append((time.perf_counter() - start) * 1e3)
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def in_place_table(rows=32):
@@ -91,7 +94,7 @@ def in_place_table(rows=32):
             state["buffer"] = state.pop("buffer") + 0
             mx.eval(state["buffer"])
 
-        times = [median_ms(fn, 9) for fn in (scatter, assign, scatter_held, copy)]
+        times = median_ms(scatter, assign, scatter_held, copy, reps=9)
         print(f"| {n} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
     print()
 
@@ -109,17 +112,16 @@ def main(names):
             v = mx.random.normal((1, rows, 1, D))
             q = mx.random.normal((1, rows * REP, 1, D))
             batched = steady_cache(cfg, rows, n_kept, rope)
-            batched_ms = median_ms(lambda: step(batched, k, v, q), REPS)
-            del batched
             heads = [steady_cache(cfg, 1, n_kept, rope) for _ in range(rows)]
 
             def loop():
                 for h, cache in enumerate(heads):
                     step(cache, k[:, h : h + 1], v[:, h : h + 1], q[:, h * REP : (h + 1) * REP])
 
-            loop_ms = median_ms(loop, REPS)
-            del heads
-            print(f"| {name} | {n_kept} | {rows} | {batched_ms:.2f} | {loop_ms:.2f} | {loop_ms / batched_ms:.1f} |")
+            batched_ms, loop_ms = median_ms(lambda: step(batched, k, v, q), loop, reps=REPS)
+            del batched, heads
+            print(f"| {name} | {n_kept} | {rows} | {batched_ms:.2f} | {loop_ms:.2f} | {loop_ms / batched_ms:.2f} |")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

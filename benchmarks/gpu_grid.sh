@@ -11,9 +11,10 @@
 set -u
 seconds=$1; workers=$2; shift 2
 results=${KV_RESULTS:-/tmp/kv-results}
+logs=$results-logs  # worker logs travel in the same archive ($OUT takes at most 8 files)
 end=$(( $(date +%s) + seconds ))
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-mkdir -p "$results" "${OUT:-/tmp/out}"
+mkdir -p "$results" "$logs" "${OUT:-/tmp/out}"
 for ((i = 0; i < workers; i++)); do
   (
     for grid in "$@"; do
@@ -22,9 +23,9 @@ for ((i = 0; i < workers; i++)); do
       python3 benchmarks/run_grid.py "$grid" --interleave --results "$results" \
         --workers "$workers" --worker "$i" --deadline "$left"
     done
-  ) > "${OUT:-/tmp/out}/worker-$i.log" 2>&1 &
+  ) >> "$logs/worker-$i.log" 2>&1 &
 done
 wait
-tail -n 2 "${OUT:-/tmp/out}"/worker-*.log | grep -v '^$' | tail -n 40
+tail -q -n 1 "$logs"/worker-*.log | tail -n 40
 echo "runs files: $(find "$results/runs" -name '*.parquet' | wc -l)"
-tar -C "$(dirname "$results")" -cJf - "$(basename "$results")" | split -b 15m - "${OUT:-/tmp/out}/results.tar.xz."
+tar -C "$(dirname "$results")" -cJf - "$(basename "$results")" "$(basename "$logs")" | split -b 15m - "${OUT:-/tmp/out}/results.tar.xz."

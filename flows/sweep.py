@@ -19,7 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
-from kvcompress.results import check_root, default_root, finished_run_ids, validate_sweep_id
+from kvcompress.results import check_root, configs_without_ok_run, default_root, finished_run_ids, validate_sweep_id
 from tasks.datasets import load_dataset
 from tasks.regression import regression_report
 from tasks.report import artifact_key, publish_artifacts, report
@@ -97,6 +97,10 @@ def sweep(
     publish_artifacts(results, sweep_id)
     if nightly:
         regression_report(results, sweep_id)
+    broken = configs_without_ok_run(results, sweep_id)
+    if broken:  # after the reports, so what did run is published; the sweep itself ends failed
+        lines = "; ".join(f"{label}: {error[:200]}" for label, error in broken.items())
+        raise RuntimeError(f"sweep {sweep_id}: {len(broken)} config(s) have no ok run: {lines}")
     return rows
 
 

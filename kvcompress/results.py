@@ -274,6 +274,26 @@ def finished_run_ids(root: str, sweep_id: str) -> set[str]:
     return finished
 
 
+def configs_without_ok_run(root: str, sweep_id: str) -> dict[str, str]:
+    """{config_label: an error of it} for every config of a finished sweep none of whose runs ended
+    `ok` (a method that fails on every sample, e.g. a kernel that does not run on this machine):
+    such a sweep must not end "Completed" with the config silently absent from every report."""
+    fs, base = _filesystem(root)
+    ok, errors = set(), {}
+    for info in _parquet_files(fs, f"{base}/runs/sweep_id={sweep_id}"):
+        if info.base_name.startswith(".") or not info.base_name.endswith(".parquet"):
+            continue
+        try:
+            row = pq.read_table(info.path, filesystem=fs, columns=["config_label", "status", "error"]).to_pylist()[0]
+        except (OSError, pa.ArrowException, IndexError):
+            continue  # unfinished or corrupt: `finished_run_ids` and `scan` deal with it
+        if row["status"] == "ok":
+            ok.add(row["config_label"])
+        else:
+            errors.setdefault(row["config_label"], f"{row['status']}: {row['error']}")
+    return {label: error for label, error in sorted(errors.items()) if label not in ok}
+
+
 def scan(root: str) -> list[Problem]:
     """Every file under `root` a report or a resume must not trust: unreadable `*.parquet`, runs
     whose steps do not match, and stale temp files of crashed writes."""

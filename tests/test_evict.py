@@ -89,8 +89,8 @@ def test_evict_one_goes_through_the_kernel_dispatch_and_records_its_path():
     out = kernel.evict_one(keys, values, scores, positions, scores, 1, 2)
     ref = kernel.evict_one_reference(keys, values, scores, positions, scores, 1, 2)
     assert all(mx.array_equal(a, b).item() for a, b in zip(out, ref))
-    gpu = dispatch.gpu_backend()  # on a GPU the fused kernel runs (it passed its self-test)
-    assert dispatch.paths_used() == {f"evict_one/{gpu or 'cpu'}/float32": "fused" if gpu else "reference"}
+    backend = dispatch.gpu_backend()  # on a GPU the fused kernel runs once its self-test passed
+    assert dispatch.paths_used() == {f"evict_one/{backend or 'cpu'}/float32": "fused" if backend else "reference"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -335,10 +335,10 @@ def test_batched_equals_per_row_loop(name, B, H, rep, T, steps, budget, seed, va
 # head-wise (AdaKV) and layer-wise (PyramidKV) budgets
 
 
-@pytest.mark.parametrize("scorer", ["knorm", "h2o", "random"])
-def test_adakv_is_one_topk_across_the_heads_with_padded_rows(scorer):
+@pytest.mark.parametrize("scorer,safeguard", [("knorm", 0.0), ("h2o", 0.0), ("random", 0.0), ("knorm", 0.5), ("h2o", 1.0)])
+def test_adakv_is_one_topk_across_the_heads_with_padded_rows(scorer, safeguard):
     T, budget, B, H = 40, 10, 2, 3
-    cfg = small("adakv", budget, scorer=scorer)
+    cfg = small("adakv", budget, scorer=scorer, safeguard=safeguard)
     drive = Drive(cfg, B=B, H=H, rep=2, D=8, T=T, steps=6, seed=3)
     plain = Drive(method_config(scorer, budget=T), B=B, H=H, rep=2, D=8, T=T, steps=6, seed=3)
     drive.prefill()
@@ -350,12 +350,19 @@ def test_adakv_is_one_topk_across_the_heads_with_padded_rows(scorer):
         ranked = scores[b * H : (b + 1) * H].copy()
         ranked[:, T - recent :] = np.inf
         ranked[:, : cfg.n_sink] = np.inf
+        for h in range(H):  # the safeguard: each head's own best int(safeguard * capacity) first
+            ranked[h, np.argsort(-ranked[h], kind="stable")[: int(safeguard * capacity)]] = np.inf
         top = np.argsort(-ranked.ravel(), kind="stable")[: capacity * H]
         for h in range(H):
             expected = sorted(int(i) % T for i in top if i // T == h)
             assert kept[b * H + h].tolist() == expected
     counts = [len(k) for k in kept]
-    assert sum(counts) == capacity * B * H and len(set(counts)) > 1  # same total, different heads
+    assert sum(counts) == capacity * B * H  # same total
+    assert min(counts) >= int(safeguard * capacity)
+    if safeguard == 1.0:
+        assert len(set(counts)) == 1  # every head keeps exactly its own share
+    else:
+        assert len(set(counts)) > 1  # heads with spread attention took slots from concentrated ones
     P = np.array(drive.cache.positions)
     assert (P == PAD).sum() == P.size - sum(counts)
     for p in range(T, T + 6):  # decoding appends to every row; padding never attended

@@ -286,3 +286,16 @@ def test_shard_task_fails_at_once_on_a_config_error(prefect_server, tmp_path):
     assert failed and "name_or_path: expected 'smollm2-135m'" in message
     with get_client(sync_client=True) as client:
         assert client.read_task_run(task_run_id).run_count == 1
+
+
+def test_sweep_with_a_config_that_never_runs_ok_ends_failed_naming_it(prefect_server, tmp_path, embedded):
+    """A method that fails on every sample (here: a group size that does not divide head_dim) must
+    not leave a "Completed" sweep whose reports silently lack it."""
+    from flows.sweep import sweep
+
+    grid = {"name": "broken", "decode_steps": 3, "datasets": [{"name": "passkey", "context_tokens": [256]}],
+            "methods": [{"name": "full"}, {"name": "mlx-quant", "params": {"group_size": 128}}]}
+    with pytest.raises(RuntimeError, match=r"1 config\(s\) have no ok run: mlx-quant .*group_size"):
+        sweep(grid=grid, results=str(tmp_path))
+    runs = read_table(tmp_path, "runs")
+    assert sorted(r["status"] for r in runs) == ["error", "ok"]  # both recorded; the report ran first

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvcompress.errors import ConfigError
-from kvcompress.results import (RUNS_SCHEMA, STEPS_SCHEMA, finished_run_ids, quarantine, run_id, scan,
-                                validate_sweep_id, write_run, write_table)
+from kvcompress.results import (RUNS_SCHEMA, STEPS_SCHEMA, configs_without_ok_run, finished_run_ids, quarantine,
+                                run_id, scan, validate_sweep_id, write_run, write_table)
 from tasks.report import connect, run_report
 
 
@@ -44,6 +44,19 @@ def test_run_id_is_stable_and_order_free():
     assert run_id({"a": 1, "b": [1, 2]}) == run_id({"b": [1, 2], "a": 1})
     assert run_id({"a": 1}) != run_id({"a": 2})
     assert len(run_id({})) == 16
+
+
+def test_configs_without_an_ok_run_are_named_with_an_error(tmp_path):
+    root = str(tmp_path)
+    rows = [("a", "full", "full", "ok", None), ("b", "kivi", "kivi bits=2", "error", "kernel failed"),
+            ("c", "kivi", "kivi bits=2", "timeout", "run_timeout_s"), ("d", "h2o", "h2o budget=0.5", "error", "x"),
+            ("e", "h2o", "h2o budget=0.5", "ok", None)]
+    for rid, method, label, status, error in rows:
+        write_run(root, "sw", method, make_run(rid, method, 1.0, 10, config_label=label, status=status, error=error), [])
+    write_run(root, "other", "kivi", make_run("f", "kivi", 1.0, 10, config_label="kivi bits=2"), [])  # another sweep
+    broken = configs_without_ok_run(root, "sw")
+    assert list(broken) == ["kivi bits=2"] and broken["kivi bits=2"] in ("error: kernel failed", "timeout: run_timeout_s")
+    assert configs_without_ok_run(root, "other") == {}
 
 
 def test_write_run_is_partitioned_atomic_and_typed(tmp_path):

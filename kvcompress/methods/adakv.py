@@ -5,8 +5,12 @@ Instead of k tokens in every KV head, a layer keeps the k x H highest scores acr
 is spread (Alg. 1). Any eviction method's prompt scores can be used (`scorer`, default SnapKV as in
 the paper); its protected sinks and window stay in every head. Rows then hold different numbers of
 tokens: the batched layout pads short rows with invisible slots (eviction.PAD), which are resident
-and counted in live bytes. Like SnapKV, only the prompt is compressed. Not included: the
-"safeguard" minimum per head of later versions of the paper's code.
+and counted in live bytes. Like SnapKV, only the prompt is compressed.
+
+The safeguard (the paper's code and kvpress, `alpha_safeguard` 0.2): every head first keeps its own
+best `safeguard x capacity` tokens, and only the rest of the layer's budget is allocated by the one
+top-k across heads, so no head is starved (and the longest row, which sets the padded layout's
+resident size, stays closer to the mean). `safeguard=0` is Alg. 1 without it.
 """
 
 from __future__ import annotations
@@ -27,15 +31,19 @@ class AdaKV(Eviction):
 
     budget: mean tokens kept per KV head (int) or a fraction of the prompt (float).
     scorer: the method whose prompt scores rank tokens (its defaults; paper: snapkv).
+    safeguard: fraction of the per-head budget each head keeps from its own ranking first (0..1).
     """
 
     name = "adakv"
     decode = "grow"
     budget: int | float = 0.5
     scorer: str = "snapkv"
+    safeguard: float = 0.2
 
     def __post_init__(self):
         check(self.scorer in SCORERS, f"{self.name}.scorer", f"one of {SCORERS}", self.scorer)
+        check(isinstance(self.safeguard, (int, float)) and not isinstance(self.safeguard, bool)
+              and 0 <= self.safeguard <= 1, f"{self.name}.safeguard", "a number in [0, 1]", self.safeguard)
         super().__post_init__()
 
     @property
@@ -57,6 +65,10 @@ class AdaKV(Eviction):
     def select(self, cache, ranked, capacity):
         R, n = ranked.shape
         B = cache.batch
+        n_safe = int(capacity * self.safeguard)
+        if n_safe:  # each head's own best first: lifted above every score the layer-wide top-k sees
+            own = mx.argpartition(-ranked, kth=n_safe - 1, axis=1)[:, :n_safe]
+            ranked = mx.put_along_axis(ranked, own, mx.array(mx.inf, ranked.dtype), axis=1)
         flat = ranked.reshape(B, -1)  # [B, H * n]: one ranking across the layer's heads
         total = capacity * (R // B)
         chosen = mx.argpartition(-flat, kth=total - 1, axis=1)[:, :total]

@@ -8,8 +8,8 @@ Two steps, by the cache's position mode:
 - `evict_one` (compact positions): removes the slot and shifts the later tokens down, re-rotating
   their keys one RoPE position back. Every later key changes, so this pass is O(n) by nature.
 
-`evict_one`: after a decode step each row (one (batch, KV head) pair) holds `capacity + 1` tokens in temporal
-order. Eviction picks, per row, the unprotected slot with the smallest eviction score -- whatever
+`evict_one`: after a decode step each row (one (batch, KV head) pair) holds `capacity + 1` tokens
+in temporal order. Eviction picks, per row, the unprotected slot with the smallest eviction score -- whatever
 the method's score is (accumulated attention for H2O / Keyformer, the current attention for TOVA,
 a key norm, a position, ...): the kernel only ranks `evict_by` -- removes it and shifts the later
 tokens down one slot. The first `n_sink` and the last `recent` slots are never evicted. In
@@ -30,7 +30,9 @@ Implementations of the same function, side by side:
 back-ends: one block per row, each thread keeps its best (score, position, slot) over a strided
 share of the row, then a shared-memory reduction. It writes only the [R] slots; the token write
 stays an MLX scatter, which updates the cache buffer in place (MLX custom kernels cannot write into
-an input, so a kernel that wrote the token would have to copy the whole cache).
+an input, so a kernel that wrote the token would have to copy the whole cache). Not yet run on a
+GPU when written: tests/test_evict_gpu.py (bit-exact, skipped on CPU) and benchmarks/evict_gpu.py
+check and time it there.
 
 Both go through kvcompress/kernels/dispatch.py: on first use per (backend, dtype, variant) the fused
 kernel must match the reference bit for bit on a small problem, else the reference runs.

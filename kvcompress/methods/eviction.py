@@ -349,7 +349,6 @@ class EvictionCache(CompressedCache):
         """Prompt queries q [R, G, S, D] at the last S positions (their keys: new_keys [R, S, D]):
         accumulate, or remember the window."""
         scorer = self.scorer
-        S = q.shape[2]
         if scorer.decode == "accumulate":
             def transform(logits, query_positions, key_positions):
                 return scorer.transform(self, logits, query_positions, key_positions[None])

@@ -1,9 +1,16 @@
-"""Decode-step eviction (every eviction method) on a GPU: fused kernel vs MLX reference, bit-exactness and time.
+"""Decode-step eviction (every eviction method) on a GPU: fused kernels vs MLX references, bit-exactness and time.
 
 Run on the lent H200 (needs only mlx and mlx-lm):
     source /tmp/mlx-cuda-env.sh && python3 benchmarks/evict_gpu.py
-Prints one table: per configuration, whether every output is bit-identical to the MLX reference,
-and the median time per step of each path at B*H_kv = 32, n = 8192, D = 128 (the issue's shape).
+Prints:
+1. `evict_one` (compact positions: drop, shift, re-rotate): per configuration, whether every output
+   is bit-identical to the MLX reference, and the median time of each path at B*H_kv = 32,
+   n = 8192, D = 128 (the issue's shape); then blocks per row.
+2. `evict_slot` (exact positions, one pass: pick the slot only): bit-exactness and time of both paths.
+3. the whole Keyformer decode step through EvictionCache (append, attention, score update,
+   eviction) for exact (one pass) and compact positions, with the full cache's attention (SDPA over
+   the same number of tokens, no eviction) as the yardstick, and a one-token in-place write into
+   the cache buffer against a full copy (does MLX's scatter update in place on this GPU?).
 """
 
 from __future__ import annotations
@@ -95,11 +102,44 @@ def main():
         run = lambda: kernel.evict_one_fused(*args, backend=dispatch.gpu_backend(), blocks_per_row=blocks)  # noqa: E731
         print(f"  blocks_per_row={blocks:>3} bit_exact={bit_exact(ref, run())} fused_ms={median_ms(run):.3f}")
 
+    print("\nevict_slot (one pass): fused vs reference, slots shuffled, ties")
+    print(f"{'R':>4} {'n':>6} {'bit_exact':>9} {'mlx_ms':>8} {'fused_ms':>8} {'speedup':>7}")
+    for R, n in ((3, 77), (8, 1000), (32, 2049), (32, 8193), (64, 32769)):
+        mx.random.seed(R + n)
+        evict_by = mx.floor(mx.random.uniform(shape=(R, n)) * 64)
+        positions = mx.argsort(mx.random.uniform(shape=(R, n)), axis=1).astype(mx.int32)
+        args = (evict_by, positions, 4, n - n // 4)
+        exact = bit_exact([kernel.evict_slot_reference(*args)], [kernel.evict_slot_fused(*args, backend=dispatch.gpu_backend())])
+        mlx_ms = median_ms(lambda: kernel.evict_slot_reference(*args))
+        fused_ms = median_ms(lambda: kernel.evict_slot_fused(*args, backend=dispatch.gpu_backend()))
+        print(f"{R:>4} {n:>6} {str(exact):>9} {mlx_ms:>8.3f} {fused_ms:>8.3f} {mlx_ms / fused_ms:>7.2f}")
+
+    print("\nin-place write of one token per row into a [32, 8193, 128] float16 buffer vs a full copy")
+    in_place_write()
+
     print("\nwhole Keyformer decode step (append, attention, score update, eviction), B=1, H_kv=32, rep=4, D=128, float16")
     try:
         full_cache_step()
     except Exception as error:  # the kernel table above is the deliverable; this part needs mlx-lm
         print(f"  skipped: {type(error).__name__}: {error}")
+
+
+def in_place_write():
+    R, n, D = 32, 8193, 128
+    state = {"buffer": mx.random.normal((R, n, D)).astype(mx.float16)}
+    token = mx.random.normal((R, 1, D)).astype(mx.float16)
+    slot = mx.random.randint(0, n, (R, 1, 1)).astype(mx.int32)
+    mx.eval(state["buffer"], token, slot)
+
+    def scatter():  # the cache's own write: the buffer's only reference is handed over
+        state["buffer"] = mx.put_along_axis(state.pop("buffer"), slot, token, axis=1)
+        return state["buffer"]
+
+    def copy():
+        state["buffer"] = state.pop("buffer") + 0
+        return state["buffer"]
+
+    print(f"  scatter_ms={median_ms(scatter):.4f} copy_ms={median_ms(copy):.4f}")
 
 
 def full_cache_step():
@@ -109,24 +149,30 @@ def full_cache_step():
     from kvcompress.methods.keyformer import Keyformer
 
     H, rep, D = 32, 4, 128
-    for n_kept in (2048, 8192):
+    for n_kept in (2048, 8192, 32768):
+        k = mx.random.normal((1, H, 1, D)).astype(mx.float16)
+        q = mx.random.normal((1, H * rep, 1, D)).astype(mx.float16)
+        full_keys = mx.random.normal((1, H, 2 * n_kept, D)).astype(mx.float16)  # a 50% budget's full context
+        mx.eval(full_keys)
+        full_ms = median_ms(lambda: mx.fast.scaled_dot_product_attention(q, full_keys, full_keys, scale=D**-0.5))
+        print(f"  n_kept={n_kept:>5} full cache attention over {2 * n_kept} tokens: {full_ms:.3f} ms")
         for positions in ("exact", "compact"):
             cfg = Keyformer(budget=n_kept, positions=positions)
             cache = EvictionCache(cfg, 0, 1, H, D, nn.RoPE(D, base=500000.0), D**-0.5)
-            keys = mx.random.normal((H, n_kept, D)).astype(mx.float16)
-            cache.keys = cache.values = keys
-            cache.scores = mx.random.uniform(shape=(H, n_kept))
-            cache.positions = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (H, n_kept))
             cache.batch, cache.position, cache.offset, cache.prompt_len = 1, n_kept, n_kept, n_kept
             cache.capacity, cache.recent = cfg.resolve(n_kept)
-            k = mx.random.normal((1, H, 1, D)).astype(mx.float16)
-            q = mx.random.normal((1, H * rep, 1, D)).astype(mx.float16)
+            keys = mx.random.normal((H, n_kept, D)).astype(mx.float16)
+            scores = mx.random.uniform(shape=(H, n_kept))
+            held = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (H, n_kept)) + 0
+            cache.state = (keys, keys + 0, scores, held, None, None, cache.meta_state)  # as a loaded cache
+            mx.eval(cache.state[:4])
 
             def step():
                 keys, values = cache.update_and_fetch(k, k)
                 return cache.attention(q, keys, values, scale=D**-0.5, mask=None), *cache.state[:4]
 
-            print(f"  n_kept={n_kept:>5} positions={positions:>7} step_ms={median_ms(step):.3f} kept={cache.tokens_kept}")
+            ms = median_ms(step)
+            print(f"  n_kept={n_kept:>5} positions={positions:>7} step_ms={ms:.3f} vs_full_attention={ms / full_ms:.2f} kept={cache.tokens_kept}")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,21 @@ One decode step = update_and_fetch (append) + attention (output, score update, o
 compaction where the method evicts while decoding), timed on caches already at capacity. "batched"
 is one cache whose rows are all B*H_kv heads; "loop" is one single-row cache per head stepped in a
 Python loop (what a per-head implementation costs). GQA 3 queries per KV head, D = 64 (the
-embedded model's shape). Median of `reps` steps after one warm-up.
+embedded model's shape); n_kept 512 / 2048 / 8192 x rows 3 / 8 / 32 (issue #3's table). Median of
+`REPS` steps after one warm-up, batched and loop steps taking turns (a change in the machine's load
+hits both alike: the CPU is shared; its load average is printed first and last).
+
+First, a small table answering: does MLX write into a buffer in place? A one-token write into a
+[32, n, 64] float32 buffer per row (scatter, `mx.put_along_axis`; slice assignment `a[:, i] = x`)
+when the buffer's only reference is handed over, the same scatter while a second reference is
+alive, and a plain full copy (`a + 0`) for scale. The cache relies on the first kind.
 
     .venv/bin/python benchmarks/eviction_update.py [method ...]
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -22,17 +30,20 @@ from kvcompress.methods import REGISTRY, method_config
 from kvcompress.methods.eviction import Eviction, EvictionCache
 
 REP, D = 3, 64
+REPS = 7
+SIZES = [(n_kept, rows) for n_kept in (512, 2048, 8192) for rows in (3, 8, 32)]
 
 
 def steady_cache(cfg, rows, n_kept, rope):
     """A cache right after its prompt was compressed, holding n_kept random tokens per row."""
     cache = EvictionCache(cfg, 0, 1, rows, D, rope, D**-0.5)
     cache.batch = 1
-    cache.keys, cache.values = mx.random.normal((rows, n_kept, D)), mx.random.normal((rows, n_kept, D))
-    cache.positions = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (rows, n_kept))
-    cache.scores = None if cfg.decode == "grow" else mx.random.uniform(shape=(rows, n_kept))
     cache.position = cache.offset = cache.prompt_len = n_kept
     cache.capacity, cache.recent = cfg.resolve(n_kept)
+    keys, values = mx.random.normal((rows, n_kept, D)), mx.random.normal((rows, n_kept, D))
+    positions = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (rows, n_kept)) + 0
+    scores = None if cfg.decode == "grow" else mx.random.uniform(shape=(rows, n_kept))
+    cache.state = (keys, values, scores, positions, None, None, cache.meta_state)  # as a loaded cache
     mx.eval(cache.state[:4])
     return cache
 
@@ -43,40 +54,74 @@ def step(cache, k, v, q):
     mx.eval(out, *cache.state[:4])
 
 
-def median_ms(fn, reps):
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+def median_ms(*fns, reps):
+    """Median ms of each fn, the fns taking turns."""
+    times = [[] for _ in fns]
+    for rep in range(reps + 1):
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            if rep:  # the first round is the warm-up
+                spent.append((time.perf_counter() - start) * 1e3)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def in_place_table(rows=32):
+    print("| n slots | scatter, sole reference ms | slice assign, sole reference ms | scatter, 2nd reference alive ms | full copy ms |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for n in (512, 8192):
+        state = {"buffer": mx.random.normal((rows, n, D))}
+        token = mx.random.normal((rows, 1, D))
+        slot = mx.random.randint(0, n, (rows, 1, 1)).astype(mx.int32)
+        mx.eval(state["buffer"], token, slot)
+
+        def scatter():
+            state["buffer"] = mx.put_along_axis(state.pop("buffer"), slot, token, axis=1)
+            mx.eval(state["buffer"])
+
+        def assign():
+            buffer = state.pop("buffer")
+            buffer[:, 5:6] = token
+            state["buffer"] = buffer
+            mx.eval(buffer)
+
+        def scatter_held():
+            held = state["buffer"]  # alive while the scatter runs: MLX must copy
+            state["buffer"] = mx.put_along_axis(held, slot, token, axis=1)
+            mx.eval(state["buffer"])
+
+        def copy():
+            state["buffer"] = state.pop("buffer") + 0
+            mx.eval(state["buffer"])
+
+        times = median_ms(scatter, assign, scatter_held, copy, reps=9)
+        print(f"| {n} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
+    print()
 
 
 def main(names):
     rope = nn.RoPE(D, base=100000.0)
+    print(f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}, cores: {os.cpu_count()}")
+    in_place_table()
     print("| method | n_kept | B*H_kv | batched ms | loop ms | loop / batched |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name in names:
         cfg = method_config(name, budget=1.0)
-        for n_kept in (512, 2048):
-            for rows in (3, 32):
-                reps = 7
-                k = mx.random.normal((1, rows, 1, D))
-                v = mx.random.normal((1, rows, 1, D))
-                q = mx.random.normal((1, rows * REP, 1, D))
-                batched = steady_cache(cfg, rows, n_kept, rope)
-                batched_ms = median_ms(lambda: step(batched, k, v, q), reps)
-                del batched
-                heads = [steady_cache(cfg, 1, n_kept, rope) for _ in range(rows)]
+        for n_kept, rows in SIZES:
+            k = mx.random.normal((1, rows, 1, D))
+            v = mx.random.normal((1, rows, 1, D))
+            q = mx.random.normal((1, rows * REP, 1, D))
+            batched = steady_cache(cfg, rows, n_kept, rope)
+            heads = [steady_cache(cfg, 1, n_kept, rope) for _ in range(rows)]
 
-                def loop():
-                    for h, cache in enumerate(heads):
-                        step(cache, k[:, h : h + 1], v[:, h : h + 1], q[:, h * REP : (h + 1) * REP])
+            def loop():
+                for h, cache in enumerate(heads):
+                    step(cache, k[:, h : h + 1], v[:, h : h + 1], q[:, h * REP : (h + 1) * REP])
 
-                loop_ms = median_ms(loop, reps)
-                del heads
-                print(f"| {name} | {n_kept} | {rows} | {batched_ms:.2f} | {loop_ms:.2f} | {loop_ms / batched_ms:.1f} |")
+            batched_ms, loop_ms = median_ms(lambda: step(batched, k, v, q), loop, reps=REPS)
+            del batched, heads
+            print(f"| {name} | {n_kept} | {rows} | {batched_ms:.2f} | {loop_ms:.2f} | {loop_ms / batched_ms:.2f} |")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""The decode-step eviction (kvcompress/kernels/evict.py), MLX reference path.
+"""The decode-step eviction (kvcompress/kernels/evict.py): `evict_one` (compact positions) and
+`evict_slot` (exact positions, one pass).
 
-The CUDA kernel is checked bit-exact against this reference on the H200 by
-benchmarks/evict_gpu.py (it cannot run on CPU); here the reference itself is checked against a
-plain per-row loop and RoPE algebra.
+The references are checked against plain per-row loops and RoPE algebra on CPU. The fused kernels
+run only on a GPU: tests/test_evict_gpu.py checks them bit-exact against these references there
+(skipped on CPU), benchmarks/evict_gpu.py times them.
 """
 
 import kvcompress  # noqa: F401  (BLAS preload before mlx)
@@ -90,3 +91,48 @@ def test_evict_one_goes_through_the_kernel_dispatch_and_records_its_path():
     assert all(mx.array_equal(a, b).item() for a, b in zip(out, ref))
     backend = dispatch.gpu_backend()  # on a GPU the fused kernel runs once its self-test passed
     assert dispatch.paths_used() == {f"evict_one/{backend or 'cpu'}/float32": "fused" if backend else "reference"}
+
+
+# ---------------------------------------------------------------------------------------------
+# one pass (exact positions): which slot goes, slots in any order
+
+
+def _slot_inputs(R, n, seed, ties):
+    rng = np.random.default_rng(seed)
+    evict_by = rng.random((R, n)).astype(np.float32)
+    if ties:
+        evict_by = np.floor(evict_by * 4).astype(np.float32)
+    positions = np.stack([rng.permutation(n) * 3 + 1 for _ in range(R)]).astype(np.int32)  # out of order
+    return evict_by, positions
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("n_sink,recent", [(0, 0), (2, 5), (4, 40)])
+def test_evict_slot_reference_matches_a_plain_loop(ties, n_sink, recent):
+    R, n = 7, 61
+    evict_by, positions = _slot_inputs(R, n, seed=n_sink + recent + ties, ties=ties)
+    recent_start = 3 * n + 1 - 3 * recent  # the newest `recent` positions (stride 3)
+    slot = kernel.evict_slot_reference(mx.array(evict_by), mx.array(positions), n_sink, recent_start)
+    for r in range(R):
+        evictable = [i for i in range(n) if n_sink <= positions[r, i] < recent_start]
+        want = min(evictable, key=lambda i: (evict_by[r, i], positions[r, i]))  # ties: the earliest token
+        assert int(slot[r]) == want
+
+
+def test_evict_slot_picks_the_token_evict_one_drops_when_slots_are_in_order():
+    keys, values, scores, positions = (mx.array(a) for a in _inputs(5, 40, 8, seed=4))
+    scores = mx.floor(scores * 3)  # ties
+    dropped = kernel.evict_one_reference(keys, values, scores, positions, scores, 3, 6)[4]
+    # positions are 2i + 5: sinks are slots < 3, the recent window the last 6 slots
+    slot = kernel.evict_slot_reference(scores, positions, 2 * 3 + 5, 2 * (40 - 6) + 5)
+    assert slot.tolist() == dropped.tolist()
+
+
+def test_evict_slot_goes_through_the_kernel_dispatch_and_records_its_path():
+    from kvcompress.kernels import dispatch
+
+    evict_by, positions = (mx.array(a) for a in _slot_inputs(3, 20, seed=1, ties=True))
+    dispatch.reset_paths()
+    assert mx.array_equal(kernel.evict_slot(evict_by, positions, 2, 50), kernel.evict_slot_reference(evict_by, positions, 2, 50)).item()
+    gpu = dispatch.gpu_backend()
+    assert dispatch.paths_used() == {f"evict_slot/{gpu or 'cpu'}/float32": "fused" if gpu else "reference"}

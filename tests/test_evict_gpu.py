@@ -75,3 +75,46 @@ def test_broken_kernel_source_falls_back_to_the_reference(monkeypatch):
         assert same(got, want) and same(again, want)
         assert dispatch.paths_used() == {f"evict_one/{GPU}/float16": "reference"}
     dispatch.forget_verdicts()
+
+
+# ---------------------------------------------------------------------------------------------
+# evict_slot (exact positions, one pass): slots in any order, ties to the lowest true position
+
+
+def slot_case(R, n, seed):
+    k1, k2 = mx.random.split(mx.random.key(seed), 2)
+    evict_by = mx.floor(mx.random.uniform(shape=(R, n), key=k1) * 16)  # many ties: the lowest-position rule
+    positions = (mx.argsort(mx.random.uniform(shape=(R, n), key=k2), axis=1) * 3 + 1).astype(mx.int32)  # shuffled
+    return evict_by, positions
+
+
+@needs_gpu
+@pytest.mark.parametrize("R,n", [(1, 5), (3, 77), (32, 8193), (64, 1025)])
+def test_evict_slot_fused_is_bit_exact(R, n):
+    evict_by, positions = slot_case(R, n, seed=R + n)
+    for n_sink, recent in ((0, 0), (4, n // 3)):
+        recent_start = 3 * n + 1 - 3 * recent  # the newest `recent` positions
+        got = kernel.evict_slot_fused(evict_by, positions, n_sink, recent_start, backend=GPU)
+        assert same([got], [kernel.evict_slot_reference(evict_by, positions, n_sink, recent_start)]), (R, n, n_sink)
+
+
+@needs_gpu
+def test_evict_slot_dispatch_uses_the_fused_kernel_and_falls_back_on_a_broken_one(monkeypatch):
+    evict_by, positions = slot_case(8, 500, seed=5)
+    want = kernel.evict_slot_reference(evict_by, positions, 2, 1200)
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    dispatch.forget_verdicts()
+    dispatch.reset_paths()
+    assert same([kernel.evict_slot(evict_by, positions, 2, 1200)], [want])
+    assert dispatch.paths_used() == {f"evict_slot/{GPU}/float32": "fused"}
+    broken = kernel._SLOT_BODY.replace("slot_out[row] = best_slot[0];", "slot_out[row] = best_slot[0] + 1;")
+    assert broken != kernel._SLOT_BODY
+    monkeypatch.setattr(kernel, "_SLOT_BODY", broken)
+    monkeypatch.setattr(kernel, "_slot_kernels", {})
+    dispatch.forget_verdicts()
+    dispatch.reset_paths()
+    with pytest.warns(RuntimeWarning, match="evict_slot .* failed its self-test"):
+        got = kernel.evict_slot(evict_by, positions, 2, 1200)
+    assert same([got], [want])
+    assert dispatch.paths_used() == {f"evict_slot/{GPU}/float32": "reference"}
+    dispatch.forget_verdicts()

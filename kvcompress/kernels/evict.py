@@ -1,7 +1,15 @@
-"""Decode-step eviction for every eviction method: drop one token per row, compact, optionally re-rotate.
+"""Decode-step eviction for every eviction method: pick one token per row to drop.
 
-After a decode step each row (one (batch, KV head) pair) holds `capacity + 1` tokens in temporal
-order. Eviction picks, per row, the unprotected slot with the smallest eviction score -- whatever
+Two steps, by the cache's position mode:
+- `evict_slot` (exact positions, the default; one pass): only picks, per row, the slot whose token
+  goes. Nothing moves: the cache writes its next token into that slot (kvcompress/methods/
+  eviction.py), so a decode step writes one token per row instead of copying the cache. Slots are
+  then in no particular order, so protection and ties go by true position, not by slot index.
+- `evict_one` (compact positions): removes the slot and shifts the later tokens down, re-rotating
+  their keys one RoPE position back. Every later key changes, so this pass is O(n) by nature.
+
+`evict_one`: after a decode step each row (one (batch, KV head) pair) holds `capacity + 1` tokens
+in temporal order. Eviction picks, per row, the unprotected slot with the smallest eviction score -- whatever
 the method's score is (accumulated attention for H2O / Keyformer, the current attention for TOVA,
 a key norm, a position, ...): the kernel only ranks `evict_by` -- removes it and shifts the later
 tokens down one slot. The first `n_sink` and the last `recent` slots are never evicted. In
@@ -18,10 +26,19 @@ Implementations of the same function, side by side:
   FMAs: that keeps the rotation bit-identical to MLX's separate multiply/subtract kernels. The CUDA
   path is checked bit-exact on an H200 (benchmarks/evict_gpu.py); the Metal path cannot run on
   these machines (no Apple GPU) and is untested.
-`evict_one` goes through kvcompress/kernels/dispatch.py: on first use per (backend, dtype, variant)
-the fused kernel must match the reference bit for bit on a small problem, else the reference runs.
+`evict_slot`: the same pair, `evict_slot_reference` and one body (`_SLOT_BODY`) for both GPU
+back-ends: one block per row, each thread keeps its best (score, position, slot) over a strided
+share of the row, then a shared-memory reduction. It writes only the [R] slots; the token write
+stays an MLX scatter, which updates the cache buffer in place (MLX custom kernels cannot write into
+an input, so a kernel that wrote the token would have to copy the whole cache). Not yet run on a
+GPU when written: tests/test_evict_gpu.py (bit-exact, skipped on CPU) and benchmarks/evict_gpu.py
+check and time it there.
 
-Argmin ties resolve to the lowest index everywhere (as `mx.argmin`).
+Both go through kvcompress/kernels/dispatch.py: on first use per (backend, dtype, variant) the fused
+kernel must match the reference bit for bit on a small problem, else the reference runs.
+
+Argmin ties: `evict_one` takes the lowest index (as `mx.argmin`; slots are in temporal order there),
+`evict_slot` the lowest true position (the same token).
 """
 
 from __future__ import annotations
@@ -296,3 +313,122 @@ def evict_one(keys, values, scores, positions, evict_by, n_sink, recent, rotatio
     if backend is None:
         return evict_one_reference(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional)
     return evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional, backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# One pass (exact positions): which slot's token goes. Slots in any order.
+
+INT32_MAX = 2**31 - 1
+
+
+def evict_slot_reference(evict_by, positions, n_sink, recent_start):
+    """The slot [R] int32 per row whose token is evicted: the lowest `evict_by` among unprotected
+    slots, ties to the lowest true position.
+
+    evict_by [R, n] float32, positions [R, n] int32 true positions (slots in any order). Protected:
+    positions < n_sink (the sinks) and positions >= recent_start (the recent window: the newest
+    tokens, all of which are held).
+    """
+    protected = (positions < n_sink) | (positions >= recent_start)
+    masked = mx.where(protected, mx.inf, evict_by)
+    lowest = masked.min(axis=1, keepdims=True)
+    return mx.argmin(mx.where(masked == lowest, positions, INT32_MAX), axis=1).astype(mx.int32)
+
+
+# Grid: (THREADS, R, 1) threads, threadgroup (THREADS, 1, 1): one block per row.
+_SLOT_BODY = """
+    const int n = evict_by_shape[1];
+    const int n_sink = bounds[0];
+    const int recent_start = bounds[1];
+    SHARED float best_value[256];
+    SHARED int best_position[256];
+    SHARED int best_slot[256];
+
+    // (value, position) ordered lexicographically; protected slots never win, a row with no
+    // evictable slot reports slot 0 (the caller guarantees one exists)
+    float value = INF;
+    int position = 2147483647;
+    int slot = 0;
+    for (int i = tid; i < n; i += threads) {
+        int p = positions[row * n + i];
+        if (p < n_sink || p >= recent_start) continue;
+        float v = evict_by[row * n + i];
+        if (v < value || (v == value && p < position)) { value = v; position = p; slot = i; }
+    }
+    best_value[tid] = value;
+    best_position[tid] = position;
+    best_slot[tid] = slot;
+    BARRIER;
+    for (int stride = threads / 2; stride > 0; stride /= 2) {
+        if (tid < stride) {
+            float v = best_value[tid + stride];
+            int p = best_position[tid + stride];
+            if (v < best_value[tid] || (v == best_value[tid] && p < best_position[tid])) {
+                best_value[tid] = v;
+                best_position[tid] = p;
+                best_slot[tid] = best_slot[tid + stride];
+            }
+        }
+        BARRIER;
+    }
+    if (tid == 0) { slot_out[row] = best_slot[0]; }
+"""
+
+_SLOT_INDEX = {
+    "cuda": """
+    const int row = blockIdx.y;
+    const int tid = threadIdx.x;
+    const int threads = blockDim.x;
+""",
+    "metal": """
+    const int row = threadgroup_position_in_grid.y;
+    const int tid = thread_position_in_threadgroup.x;
+    const int threads = threads_per_threadgroup.x;
+""",
+}
+_slot_kernels: dict[str, object] = {}
+
+
+def _slot_kernel(backend: str):
+    if backend not in _slot_kernels:
+        names = dict(name="evict_slot", input_names=["evict_by", "positions", "bounds"], output_names=["slot_out"])
+        source = _SLOT_INDEX[backend] + _SLOT_BODY
+        if backend == "cuda":
+            _slot_kernels[backend] = mx.fast.cuda_kernel(**names, source=source, header=CUDA_HEADER)
+        else:
+            _slot_kernels[backend] = mx.fast.metal_kernel(**names, source=source, header=METAL_HEADER)
+    return _slot_kernels[backend]
+
+
+def evict_slot_fused(evict_by, positions, n_sink, recent_start, backend="cuda"):
+    """`evict_slot_reference` as one GPU kernel (backend "cuda" or "metal")."""
+    R = evict_by.shape[0]
+    # the bounds change every step: an input, not a template constant (no recompiling per step)
+    bounds = mx.array([int(n_sink), int(recent_start)], mx.int32)
+    (slot,) = _slot_kernel(backend)(
+        inputs=[evict_by.astype(mx.float32), positions.astype(mx.int32), bounds],
+        grid=(THREADS, R, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(R,)],
+        output_dtypes=[mx.int32],
+    )
+    return slot
+
+
+def _slot_selftest(backend: str) -> None:
+    """Bit-exact check on rows with score ties and shuffled positions (slots out of order)."""
+    for R, n in ((3, 77), (5, 1000)):
+        k1, k2 = mx.random.split(mx.random.key(n), 2)
+        evict_by = mx.floor(mx.random.uniform(shape=(R, n), key=k1) * 6)  # ties
+        positions = mx.argsort(mx.random.uniform(shape=(R, n), key=k2), axis=1).astype(mx.int32) * 2
+        args = (evict_by, positions, 3, 2 * n - 11)
+        dispatch.assert_equal([evict_slot_fused(*args, backend=backend)], [evict_slot_reference(*args)], "evict_slot self-test")
+
+
+def evict_slot(evict_by, positions, n_sink, recent_start):
+    """One-pass eviction: the fused kernel where it passed its self-test on this machine, else the
+    MLX reference (kvcompress/kernels/dispatch.py; KVCOMPRESS_KERNELS forces either)."""
+    backend = dispatch.select("evict_slot", mx.float32, (), _slot_selftest)
+    if backend is None:
+        return evict_slot_reference(evict_by, positions, n_sink, recent_start)
+    return evict_slot_fused(evict_by, positions, n_sink, recent_start, backend)

@@ -32,6 +32,13 @@ def _gumbel_from(step: mx.array, key_positions: mx.array) -> mx.array:
 _gumbel_fused = mx.compile(_gumbel_from)
 
 
+def noise_streams(seed: int, layer: int, heads: mx.array) -> mx.array:
+    """[R, G] uint32 stream ids of (seed, layer, query head): the part of every draw that no step
+    or position changes (callers that draw every step may compute it once)."""
+    u32 = mx.uint32
+    return mix(mix(mix(mx.array(seed, u32)) ^ mx.array(layer, u32)) ^ heads.astype(u32))
+
+
 def gumbel_noise(seed: int, layer: int, heads: mx.array, query_positions: mx.array | None, key_positions: mx.array,
                  fused: bool | None = None) -> mx.array:
     """Gumbel(0, 1) noise [R, G, L, n] (L = 1 when query_positions is None: frozen noise).
@@ -40,8 +47,13 @@ def gumbel_noise(seed: int, layer: int, heads: mx.array, query_positions: mx.arr
     steps, key_positions [R or 1, n] true positions of the keys. zeta = -log(-log(u)), u uniform in
     (0, 1) from 24 hash bits. `fused` (default: on a GPU) evaluates the element chain as one kernel.
     """
+    return gumbel_noise_from_streams(noise_streams(seed, layer, heads), query_positions, key_positions, fused)
+
+
+def gumbel_noise_from_streams(stream: mx.array, query_positions: mx.array | None, key_positions: mx.array,
+                              fused: bool | None = None) -> mx.array:
+    """`gumbel_noise` from its `noise_streams` [R, G]."""
     u32 = mx.uint32
-    stream = mix(mix(mix(mx.array(seed, u32)) ^ mx.array(layer, u32)) ^ heads.astype(u32))  # [R, G]
     if query_positions is None:
         step = mix(stream)[..., None]  # [R, G, 1]
     else:

@@ -16,15 +16,27 @@ Life of a cache. Prefill keeps every token (full causal attention, however mlx-l
 prompt); "accumulate" methods score each chunk as it comes, the others remember the last `window()`
 queries. The first single-token call is the prompt's last query (mlx-lm's generate feeds it alone):
 after it the cache resolves the budget to `capacity` tokens per row (and `recent`, the protected
-window), scores the prompt and selects: the first `n_sink` and last `recent` slots are kept, then
-the highest-scoring rest. Each later step appends, updates scores, and evicts the lowest unprotected
-slot per row (kvcompress/kernels/evict.py). The sweep's `from_prefill` reaches the same
+window), scores the prompt and selects: the first `n_sink` and newest `recent` tokens are kept, then
+the highest-scoring rest. Each later step adds the new token, updates scores, and evicts the lowest
+unprotected token per row (kvcompress/kernels/evict.py). The sweep's `from_prefill` reaches the same
 state from a finished full prefill (tested: same positions, same scores).
 
 Positions: "exact" keeps every key rotated at its true position and `offset` is the true position;
 "compact" re-rotates survivors to slots 0..n-1 and reports `offset = n` (StreamingLLM-style), with
 RoPE rotations read off the model's own module. A method may give rows different lengths (AdaKV):
 short rows are padded with slots at position PAD, which no query ever sees.
+
+Memory layout. Keys, values, scores and positions live in buffers of `allocated >= length` slots;
+slots [0, length) are in use and the arrays methods read (`keys`, `scores`, ...) are views of them.
+A decode step writes its token into the buffers in place (MLX updates a buffer in place when nothing
+else references it; measured on CPU: a one-token scatter into a [32, 8192, 64] float32 buffer costs
+0.08 ms, the same scatter with a second reference alive 44 ms, a full copy), so:
+- exact positions (one pass): the step that evicts a row's token leaves its slot `free`; the next
+  step writes its token into that slot. Between steps a cache holds `capacity` tokens in
+  `capacity + 1` slots; a step moves one token per row and the slots are in no particular order
+  (attention, scores and protection go by true position; `kept_rows` sorts).
+- compact positions: eviction shifts and re-rotates every later key (O(n) by nature), as before.
+- "grow" methods append into spare room allocated GROW_STEP slots at a time (as mlx-lm's KVCache).
 
 Save/load: `state` holds the arrays and one JSON string with everything else, so mlx-lm's
 `save_prompt_cache` writes it; mlx-lm's `load_prompt_cache` finds classes by name in
@@ -45,14 +57,15 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
 from ..attention import attention_geometry, install
-from ..kernels.evict import evict_one, protected_mask, rotate_pairs
 from ..errors import ConfigError, check, is_int
+from ..kernels.evict import evict_one, evict_slot, rotate_pairs
 from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
 from .prompt_scores import accumulated_attention, folded_logits
 
 DECODE_MODES = ("accumulate", "replace", "fixed", "grow")
 POSITION_MODES = ("exact", "compact")
 PAD = 2**31 - 1  # position of a padding slot: after every query, so causally invisible
+GROW_STEP = 256  # slots a "grow" cache allocates at a time while decoding
 
 
 @dataclass(frozen=True)
@@ -172,9 +185,11 @@ class EvictionCache(CompressedCache):
         self.scorer = config.scoring()
         self.n_kv_heads, self.head_dim, self.rope, self.scale = n_kv_heads, head_dim, rope, scale
         self.traditional = getattr(rope, "traditional", False)
-        self.keys = self.values = None  # [R, n, D]
-        self.scores = None  # [R, n] float32 (None once a "grow" method has selected)
-        self.positions = None  # [R, n] int32 true positions (PAD for padding slots)
+        self._keys = self._values = None  # buffers [R, allocated, D]; slots [0, length) in use
+        self._scores = None  # [R, allocated] float32 (None once a "grow" method has selected)
+        self._positions = None  # [R, allocated] int32 true positions (PAD for padding slots)
+        self.length = 0  # slots in use per row
+        self.free = None  # [R] int32 (exact positions): the slot whose token the last step evicted
         self.batch = 0
         self.position = 0  # true position of the next token
         self.offset = 0  # where mlx-lm rotates the next token: position (exact) or n (compact)
@@ -183,6 +198,28 @@ class EvictionCache(CompressedCache):
         self.window_queries = None  # [R, G, <= window, D] the prompt's last queries, until selection
         self.rope_step = None  # (cos, sin) of one RoPE position, for compact-mode eviction
         self._unscored = 0  # tokens appended and not yet seen by attention()
+        self._new_keys = None  # [R, S, D] the keys of those tokens
+
+    # -- the slots in use (views of the buffers: no copy) -------------------------------------
+
+    def _used(self, a):
+        return a if a is None or a.shape[1] == self.length else a[:, : self.length]
+
+    @property
+    def keys(self):
+        return self._used(self._keys)  # [R, n, D]
+
+    @property
+    def values(self):
+        return self._used(self._values)  # [R, n, D]
+
+    @property
+    def scores(self):
+        return self._used(self._scores)  # [R, n] float32, or None
+
+    @property
+    def positions(self):
+        return self._used(self._positions)  # [R, n] int32 (a free slot holds its evicted token's)
 
     # -- mlx-lm protocol ------------------------------------------------------------------------
 
@@ -201,46 +238,48 @@ class EvictionCache(CompressedCache):
             scores = self.scorer.score_new(self, keys, positions)
         else:
             scores = mx.zeros((R, S), mx.float32)
-        self._append(keys, values, scores, positions)
+        self._store(keys, values, scores, positions)
         self.position += S
         self._unscored = S
+        self._new_keys = keys
         self._set_offset()
-        n = self.tokens_kept
+        n = self.length
         return self.keys.reshape(B, H, n, D), self.values.reshape(B, H, n, D)
 
     def attention(self, queries, keys, values, scale, mask):
         """Attention of the S new queries over the kept tokens, then scoring and eviction."""
         # queries [B, H_q, S, D]; keys/values: the [B, H_kv, n, D] update_and_fetch returned
         B, n_q, S, D = queries.shape
-        R, n = self.keys.shape[:2]
+        R, n = self._keys.shape[0], self.length
         q = queries.reshape(R, n_q * B // R, S, D)  # [R, G, S, D]: a KV head's query group
-        self._unscored = 0
+        new_keys, self._new_keys, self._unscored = self._new_keys, None, 0
         if self.prompt_len is None:  # the prompt: every token so far is kept, in order
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal" if S > 1 else None)
-            self._score_prompt_queries(q, scale)
+            self._score_prompt_queries(q, new_keys, scale)
             if S == 1:
                 self._complete_prompt()
             return out
         query_positions = mx.arange(self.position - S, self.position, dtype=mx.int32)
-        logits = folded_logits(q, self.keys, scale)  # [R, G, S, n]
+        keys, values = self.keys, self.values
+        logits = folded_logits(q, keys, scale)  # [R, G, S, n]
         if S > 1 or self.padded:
             logits = self._causal(logits, query_positions)
         probs = mx.softmax(logits, axis=-1, precise=True)
-        out = (probs.astype(self.values.dtype).reshape(R, -1, n) @ self.values).reshape(B, n_q, S, D)
+        out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
         decode = "grow" if self.config.decode == "grow" else self.scorer.decode
         if decode == "accumulate":
-            self.scores = self.scores + self._step_increments(q, logits, probs, query_positions, scale)
+            self._scores = self.scores + self._step_increments(q, new_keys, logits, probs, query_positions, scale)
         elif decode == "replace":
-            self.scores = self.scorer.score_step(self, probs)
+            self._scores = self.scorer.score_step(self, probs)
         self._evict_down()
         return out.astype(queries.dtype)
 
     def make_mask(self, N, return_array=False, window_size=None):
-        # attention() masks by positions; this is what a caller that asks gets (kept count, causal)
-        return create_attention_mask(N, self.tokens_kept, return_array, window_size)
+        # attention() masks by positions; this is what a caller that asks gets (slot count, causal)
+        return create_attention_mask(N, self.length, return_array, window_size)
 
     def empty(self):
-        return self.keys is None
+        return self._keys is None
 
     def is_trimmable(self):
         return False
@@ -250,17 +289,22 @@ class EvictionCache(CompressedCache):
 
     @property
     def tokens_kept(self) -> int:
-        """Slots per row (padding included: it is resident)."""
-        return 0 if self.keys is None else self.keys.shape[1]
+        """Tokens held per row: padding slots count (they are resident); the free slot an exact
+        cache keeps between steps for its next token does not, nor does unused buffer room."""
+        return 0 if self._keys is None else self.length - (self.free is not None)
 
     @property
     def live_kv_bytes(self) -> int:
-        """Resident bytes: keys and values plus the per-token scores and positions (also resident)."""
-        return array_bytes(self.keys, self.values, self.scores, self.positions)
+        """Bytes of the held tokens: keys and values plus their scores and positions (also resident)."""
+        if self._keys is None:
+            return 0
+        return array_bytes(self.keys, self.values, self.scores, self.positions) // self.length * self.tokens_kept
 
     def kept_positions(self) -> mx.array:
-        """True positions [B * H_kv, n] of the slots, in the order of `held_kv` (PAD: a padding slot)."""
-        return self.positions
+        """True positions [B * H_kv, n] of the slots, in the order of `held_kv` (PAD: a padding or free slot)."""
+        if self.free is None:
+            return self.positions
+        return mx.where(mx.arange(self.length)[None] == self.free[:, None], PAD, self.positions)
 
     def held_kv(self) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H_kv, n, D] slot by slot, as attention sees them (exact positions)."""
@@ -268,9 +312,9 @@ class EvictionCache(CompressedCache):
         return self.keys.reshape(self.batch, R // self.batch, n, D), self.values.reshape(self.batch, R // self.batch, n, D)
 
     def kept_rows(self) -> list[np.ndarray]:
-        """Original token positions each row holds, padding left out."""
-        positions = np.array(self.positions)
-        return [row[row != PAD] for row in positions]
+        """Original token positions each row holds, in temporal order, padding left out."""
+        positions = np.array(self.kept_positions())
+        return [np.sort(row[row != PAD]) for row in positions]
 
     # -- runner entry ---------------------------------------------------------------------------
 
@@ -287,29 +331,27 @@ class EvictionCache(CompressedCache):
             raise ValueError(f"{self.config.name} scores with the prompt's queries: pass them")
         R = B * H
         self.batch = B
-        self.keys, self.values = keys.reshape(R, T, D), values.reshape(R, T, D)
-        self.positions = mx.broadcast_to(mx.arange(T, dtype=mx.int32), (R, T))
+        keys, values = keys.reshape(R, T, D), values.reshape(R, T, D)
+        positions = mx.broadcast_to(mx.arange(T, dtype=mx.int32), (R, T))
         self.position = T
-        if scorer.decode == "fixed":
-            self.scores = scorer.score_new(self, self.keys, self.positions)
-        else:
-            self.scores = mx.zeros((R, T), mx.float32)
-            if queries is not None:
-                self._score_prompt_queries(queries.reshape(R, queries.shape[1] // H, T, D), self.scale)
+        scores = scorer.score_new(self, keys, positions) if scorer.decode == "fixed" else mx.zeros((R, T), mx.float32)
+        self._set(keys, values, scores, positions)
+        if scorer.decode != "fixed" and queries is not None:
+            self._score_prompt_queries(queries.reshape(R, queries.shape[1] // H, T, D), keys, self.scale)
         self._complete_prompt()
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _score_prompt_queries(self, q, scale):
-        """Prompt queries q [R, G, S, D] at the last S positions: accumulate, or remember the window."""
+    def _score_prompt_queries(self, q, new_keys, scale):
+        """Prompt queries q [R, G, S, D] at the last S positions (their keys: new_keys [R, S, D]):
+        accumulate, or remember the window."""
         scorer = self.scorer
-        S = q.shape[2]
         if scorer.decode == "accumulate":
             def transform(logits, query_positions, key_positions):
                 return scorer.transform(self, logits, query_positions, key_positions[None])
 
-            sq = scorer.score_queries(self, q, self.keys[:, -S:])
-            self.scores = self.scores + accumulated_attention(sq, self.keys, scale, transform)
+            sq = scorer.score_queries(self, q, new_keys)
+            self._scores = self.scores + accumulated_attention(sq, self.keys, scale, transform)
         elif scorer.window():
             w = scorer.window()
             q = q[:, :, -w:]
@@ -323,19 +365,18 @@ class EvictionCache(CompressedCache):
         self.capacity, self.recent = self.config.resolve(self.prompt_len, self.layer, self.n_layers)
         scorer = self.scorer
         if scorer.decode in ("replace", "grow"):
-            self.scores = scorer.score_prompt(self, self.keys, self.window_queries)
+            self._scores = scorer.score_prompt(self, self.keys, self.window_queries)
         self.window_queries = None
-        if self.tokens_kept > self.capacity:
+        if self.length > self.capacity:
             self._select(self.capacity, self.position - 1)
         if self.config.decode == "grow":
-            self.scores = None  # never evicts again: the scores would be dead weight
+            self._scores = None  # never evicts again: the scores would be dead weight
         self._set_offset()
         mx.eval(self.state[:4])
 
-    def _step_increments(self, q, logits, probs, query_positions, scale):
+    def _step_increments(self, q, new_keys, logits, probs, query_positions, scale):
         scorer = self.scorer
-        S = q.shape[2]
-        sq = scorer.score_queries(self, q, self.keys[:, -S:])
+        sq = scorer.score_queries(self, q, new_keys)
         if sq is not q:
             logits = self._causal(folded_logits(sq, self.keys, scale), query_positions)
         noisy = scorer.transform(self, logits, query_positions, self.positions)
@@ -348,28 +389,38 @@ class EvictionCache(CompressedCache):
         return mx.where(visible, logits, -mx.inf)
 
     def _evict_down(self):
-        n = self.tokens_kept
+        n = self.length
         if self.config.decode == "grow" or n <= self.capacity:
             return
         if n == self.capacity + 1 and not self.padded:
-            rotation = None
-            if self.config.positions == "compact":
-                if self.rope_step is None:
-                    cos, sin = rope_rotations(self.rope, self.head_dim, 2)
-                    self.rope_step = (cos[1], sin[1])
-                rotation = self.rope_step
-            self.keys, self.values, self.scores, self.positions, _ = evict_one(
-                self.keys, self.values, self.scores, self.positions, self.config.evict_by(self, self.position - 1),
-                self.config.n_sink, self.recent, rotation, self.traditional,
-            )
+            evict_by = self.config.evict_by(self, self.position - 1)
+            if self.config.positions == "exact":
+                # one pass: nothing moves now; update_and_fetch writes the next token into this slot
+                self.free = evict_slot(evict_by, self.positions, self.config.n_sink, self._recent_start())
+                # start it now: left lazy, its reads of the positions buffer were still pending when
+                # the next step wrote into that buffer, and MLX then copied it (seen on CPU)
+                mx.async_eval(self.free)
+                return
+            if self.rope_step is None:
+                cos, sin = rope_rotations(self.rope, self.head_dim, 2)
+                self.rope_step = (cos[1], sin[1])
+            self._set(*evict_one(
+                self.keys, self.values, self.scores, self.positions, evict_by,
+                self.config.n_sink, self.recent, self.rope_step, self.traditional,
+            )[:4])
         else:
             self._select(self.capacity, self.position - 1)
         self._set_offset()
 
+    def _recent_start(self) -> int:
+        # the recent window is the newest `recent` tokens, which are all held (protected since they came)
+        return self.position - self.recent
+
     def _select(self, capacity: int, step: int):
-        """Keep the protected slots and the top-ranked rest, `capacity` per row, in temporal order."""
-        n = self.tokens_kept
-        protected = protected_mask(n, self.config.n_sink, self.recent)[None]
+        """Keep the protected tokens and the top-ranked rest, `capacity` per row, in slot order."""
+        n = self.length
+        # by true position, so slots in any order work: the first n_sink tokens and the newest `recent`
+        protected = (self.positions < self.config.n_sink) | (self.positions >= self._recent_start())
         ranked = mx.where(protected, mx.inf, self.config.evict_by(self, step))
         if self.padded:
             ranked = mx.where(self.positions == PAD, -mx.inf, ranked)
@@ -386,35 +437,70 @@ class EvictionCache(CompressedCache):
             cos, sin = rope_rotations(self.rope, self.head_dim, n)
             back = keep - mx.arange(keep.shape[1])[None]
             keys = rotate_pairs(keys, cos[back], -sin[back], self.traditional)
-        self.keys, self.values, self.positions = keys, take(self.values), take(self.positions)
-        self.scores = None if self.scores is None else take(self.scores)
+        positions = take(self.positions)
         self.padded = real is not None
         if real is not None:
-            self.positions = mx.where(real, self.positions, PAD)
+            positions = mx.where(real, positions, PAD)
+        self._set(keys, take(self.values), None if self.scores is None else take(self.scores), positions)
 
-    def _append(self, keys, values, scores, positions):
-        if self.keys is None:
-            self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
+    def _set(self, keys, values, scores, positions):
+        """New arrays, exactly the slots in use (no free slot, no spare room)."""
+        self._keys, self._values, self._scores, self._positions = keys, values, scores, positions
+        self.length = keys.shape[1]
+        self.free = None
+
+    def _store(self, keys, values, scores, positions):
+        """Place S new tokens ([R, S, D] / [R, S]): the first into each row's free slot if there is
+        one, the rest after the slots in use. Each buffer is written once per step, in place."""
+        if self._keys is None:
+            self._set(keys, values, scores, positions)
             return
-        self.keys = mx.concatenate([self.keys, keys], axis=1)
-        self.values = mx.concatenate([self.values, values], axis=1)
-        self.positions = mx.concatenate([self.positions, positions], axis=1)
+        if self.free is not None:
+            slot = self.free[:, None]  # [R, 1]
+            self._keys = mx.put_along_axis(self._keys, slot[..., None], keys[:, :1], axis=1)
+            self._values = mx.put_along_axis(self._values, slot[..., None], values[:, :1], axis=1)
+            self._positions = mx.put_along_axis(self._positions, slot, positions[:, :1], axis=1)
+            if scores is not None:
+                self._scores = mx.put_along_axis(self._scores, slot, scores[:, :1], axis=1)
+            self.free = None
+            keys, values, positions = keys[:, 1:], values[:, 1:], positions[:, 1:]
+            scores = None if scores is None else scores[:, 1:]
+        S = keys.shape[1]
+        if S == 0:
+            return
+        start, end = self.length, self.length + S
+        # spare room once decoding: a "grow" cache appends every step; an evicting one needs its
+        # capacity + 1 slots (a budget above the prompt fills up first); the prompt comes in chunks
+        if self.prompt_len is None:
+            spare = 0
+        elif self.config.decode == "grow":
+            spare = GROW_STEP
+        else:
+            spare = max(0, min(GROW_STEP, self.capacity + 1 - end))
+        self._keys, self._values, self._positions = (_room(a, start, end, spare) for a in (self._keys, self._values, self._positions))
+        self._keys[:, start:end] = keys
+        self._values[:, start:end] = values
+        self._positions[:, start:end] = positions
         if scores is not None:
-            self.scores = mx.concatenate([self.scores, scores], axis=1)
+            self._scores = _room(self._scores, start, end, spare)
+            self._scores[:, start:end] = scores
+        self.length = end
 
     def _set_offset(self):
-        self.offset = self.position if self.config.positions == "exact" else self.tokens_kept
+        self.offset = self.position if self.config.positions == "exact" else self.length
 
     # -- save / load ------------------------------------------------------------------------------
 
     @property
     def state(self):
+        # the slots in use; a free slot is saved with position PAD and found again on load
         cos, sin = self.rope_step or (None, None)
-        return self.keys, self.values, self.scores, self.positions, cos, sin, self.meta_state
+        return self.keys, self.values, self.scores, self.kept_positions(), cos, sin, self.meta_state
 
     @state.setter
     def state(self, v):
-        self.keys, self.values, self.scores, self.positions, cos, sin, meta = v
+        keys, values, scores, positions, cos, sin, meta = v
+        self._set(keys, values, scores, positions)
         self.rope_step = None if cos is None else (cos, sin)
         self.meta_state = meta
 
@@ -423,7 +509,8 @@ class EvictionCache(CompressedCache):
         """Everything but the arrays, as JSON (mlx-lm stores strings in its prompt-cache files)."""
         fields = ("layer", "n_layers", "n_kv_heads", "head_dim", "scale", "traditional", "batch", "position", "offset",
                   "prompt_len", "capacity", "recent", "padded")
-        return json.dumps({"config": json.loads(self.config.to_json()), **{f: getattr(self, f) for f in fields}})
+        meta = {"config": json.loads(self.config.to_json()), **{f: getattr(self, f) for f in fields}}
+        return json.dumps({**meta, "free_slot": self.free is not None})
 
     @meta_state.setter
     def meta_state(self, v):
@@ -432,10 +519,21 @@ class EvictionCache(CompressedCache):
         meta = json.loads(v)
         self.config = method_config(**meta.pop("config"))
         self.scorer = self.config.scoring()
+        if meta.pop("free_slot", False):  # saved as position PAD (exact caches are never padded then)
+            self.free = mx.argmax(self._positions == PAD, axis=1).astype(mx.int32)
         for field, value in meta.items():
             setattr(self, field, value)
         if not hasattr(self, "rope"):  # restored by from_state: no model here
-            self.rope, self.window_queries, self._unscored = None, None, 0
+            self.rope, self.window_queries, self._unscored, self._new_keys = None, None, 0, None
+
+
+def _room(a, start: int, end: int, spare: int):
+    """Buffer `a` [R, allocated, ...] with room for slots [start, end): itself when it has it, else a
+    new one holding its first `start` slots (plus `spare` slots more for later steps)."""
+    if a.shape[1] >= end:
+        return a
+    grown = mx.zeros((a.shape[0], end - start + spare, *a.shape[2:]), a.dtype)
+    return mx.concatenate([a[:, :start], grown], axis=1)
 
 
 # mlx-lm's load_prompt_cache looks cache classes up by name in mlx_lm.models.cache's globals.

@@ -7,6 +7,9 @@
 #
 # Expects MLX CUDA on PYTHONPATH (../shared/gpu: `source /tmp/mlx-cuda-env.sh`) and the embedded model
 # and essays unpacked under $KVCOMPRESS_CACHE/wheels (kvcompress.embedded's fallback location).
+# The device image lacks `datasets` and `pydantic` (kvcompress.sweep's grid spec): carry their wheels
+# (datasets, dill, multiprocess; pydantic, pydantic_core, annotated_types, typing_inspection) as the
+# device tool's README says, installed into /tmp/site.
 # Results accumulate in $KV_RESULTS (default /tmp/kv-results): a later call resumes where this one stopped.
 set -u
 seconds=$1; workers=$2; shift 2

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
-import time
 
 os.environ.setdefault("KVCOMPRESS_BLAS", "reference")  # no OpenBLAS needed on the GPU machine
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -27,6 +26,7 @@ import mlx.core as mx  # noqa: E402
 
 from kvcompress.kernels import dispatch  # noqa: E402
 from kvcompress.kernels import evict as kernel  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 
 def one_step_rotation(dims: int, base: float):
@@ -48,20 +48,6 @@ def inputs(R, n, D, dtype, seed, ties=False):
 
 def bit_exact(a, b) -> bool:
     return all(x.shape == y.shape and bool(mx.all(x == y).item()) for x, y in zip(a, b))
-
-
-def median_ms(fn, reps=50):
-    for _ in range(5):
-        mx.eval(fn())
-    mx.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():

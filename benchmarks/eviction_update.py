@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import kvcompress  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
@@ -28,6 +27,7 @@ import mlx.nn as nn
 
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.methods.eviction import Eviction, EvictionCache
+from timing import interleaved_median_ms  # benchmarks/timing.py (this script's folder)
 
 REP, D = 3, 64
 REPS = 7
@@ -52,18 +52,6 @@ def step(cache, k, v, q):
     keys, values = cache.update_and_fetch(k, v)
     out = cache.attention(q, keys, values, scale=D**-0.5, mask=None)
     mx.eval(out, *cache.state[:4])
-
-
-def median_ms(*fns, reps):
-    """Median ms of each fn, the fns taking turns."""
-    times = [[] for _ in fns]
-    for rep in range(reps + 1):
-        for fn, spent in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            if rep:  # the first round is the warm-up
-                spent.append((time.perf_counter() - start) * 1e3)
-    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def in_place_table(rows=32):
@@ -94,7 +82,7 @@ def in_place_table(rows=32):
             state["buffer"] = state.pop("buffer") + 0
             mx.eval(state["buffer"])
 
-        times = median_ms(scatter, assign, scatter_held, copy, reps=9)
+        times = interleaved_median_ms(scatter, assign, scatter_held, copy, reps=9)
         print(f"| {n} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
     print()
 
@@ -118,7 +106,7 @@ def main(names):
                 for h, cache in enumerate(heads):
                     step(cache, k[:, h : h + 1], v[:, h : h + 1], q[:, h * REP : (h + 1) * REP])
 
-            batched_ms, loop_ms = median_ms(lambda: step(batched, k, v, q), loop, reps=REPS)
+            batched_ms, loop_ms = interleaved_median_ms(lambda: step(batched, k, v, q), loop, reps=REPS)
             del batched, heads
             print(f"| {name} | {n_kept} | {rows} | {batched_ms:.2f} | {loop_ms:.2f} | {loop_ms / batched_ms:.2f} |")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -34,35 +34,7 @@ from kvcompress.kernels.kivi_attention import (  # noqa: E402
 )
 from kvcompress.kernels.kivi_quant import quantize_pack_kernel, quantize_pack_reference  # noqa: E402
 from kvcompress.methods.kivi import KiviCache  # noqa: E402
-
-
-def median_ms(fn, repeat=50, warmup=5) -> float:
-    for _ in range(warmup):
-        mx.eval(fn())
-    mx.synchronize()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def median_eval_ms(fn, repeat=30, warmup=5) -> float:
-    """Median time to evaluate fn()'s graph, built beforehand: the GPU work and MLX's per-op
-    encoding, without the Python that builds the graph."""
-    for _ in range(warmup):
-        mx.eval(fn())
-    times = []
-    for _ in range(repeat):
-        outs = fn()
-        mx.synchronize()
-        t = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+from timing import median_eval_ms, median_ms  # noqa: E402
 
 
 def make_input(kind: str, shape, dtype, key):

@@ -267,7 +267,8 @@ def evict_one_fused(
     if blocks_per_row is None:
         # every block re-reads its row's n scores for the argmin (4 bytes per slot, against
         # 2 * 2 * D * itemsize copied), so many blocks per row are cheap; on the H200 at R = 32,
-        # n = 8192 time fell from 4 to 64 blocks per row (measured with the former benchmarks/keyformer_gpu.py, now benchmarks/evict_gpu.py)
+        # n = 8192 time fell from 4 to 64 blocks per row (measured with what is now
+        # benchmarks/evict_gpu.py)
         blocks_per_row = max(1, min(64, (n - 1) // 128))
     outs = _kernel(backend)(
         inputs=[keys, values, scores.astype(mx.float32), positions.astype(mx.int32), evict_by.astype(mx.float32), cos, sin],

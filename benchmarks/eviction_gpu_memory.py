@@ -13,6 +13,7 @@ device call ends in time); the table says which ran.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -111,18 +112,13 @@ def main(contexts, budget_s, methods=METHODS):
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    budget = 300.0
-    if "--budget-s" in args:
-        at = args.index("--budget-s")
-        budget = float(args[at + 1])
-        del args[at : at + 2]
-    methods = METHODS
-    if "--methods" in args:
-        at = args.index("--methods")
-        methods = args[at + 1].split(",")
-        del args[at : at + 2]
-        unknown = sorted(set(methods) - set(METHODS))
-        if unknown:
-            sys.exit(f"--methods: unknown {unknown}; expected some of {METHODS}")
-    main([int(a) for a in args] or [8192, 32768], budget, methods)
+    parser = argparse.ArgumentParser(description="prefill peak and decode speed of every eviction method (GPU)")
+    parser.add_argument("contexts", type=int, nargs="*", default=[8192, 32768])
+    parser.add_argument("--budget-s", type=float, default=300.0, help="skip cells once this many seconds have passed")
+    parser.add_argument("--methods", type=lambda text: text.split(","), default=METHODS,
+                        help="comma-separated, full first for the ratios")
+    args = parser.parse_args()
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; expected some of {METHODS}")
+    main(args.contexts, args.budget_s, args.methods)

@@ -34,7 +34,7 @@ def table(con, report: str, keep: tuple[str, ...], where=lambda r: True) -> str:
 
 
 def _config(label: str) -> str:
-    return label.replace(" protocol=query_agnostic", "").replace(" tau=1.0..2.0", "")
+    return label.replace(" protocol=query_agnostic", "")
 
 
 def pivot(con) -> None:

@@ -1,0 +1,189 @@
+"""Host cost of one decode step per layer: microseconds of Python + MLX graph building, per cache.
+
+On a fast GPU a decode step of a small batch is bound by the host: Python builds each layer's
+graph (cache update + attention) before the device runs it, and a cache whose step builds a large
+graph is slower end to end however fast its kernels are (issue #13: on the H200, KIVI-2 8.3 ms
+per 32-layer step to build the graph against the full cache's 1.8 ms). This benchmark times that
+building alone, for one layer of each cache the sweep uses:
+
+    out = scaled_dot_product_attention(q, *cache.update_and_fetch(k, v), cache=cache, scale, mask)
+
+through kvcompress's attention hook (kvcompress/attention.py: mlx-lm's own path for mlx-lm's
+KVCache, `cache.attention` for kvcompress caches), i.e. what an mlx-lm attention layer runs after
+RoPE. Nothing is evaluated inside the timed region; the step's outputs and the cache's arrays are
+evaluated after it (so the next step starts from the same state as a real decode). Also counted:
+the MLX operations one step adds to the graph (nodes of `mx.export_to_dot`).
+
+State: one layer, 8 KV heads, 32 query heads, head_dim 128 (the Llama-3.1-8B shape), a prompt of
+`--context` random tokens given to each cache through `from_prefill` (the sweep's path; H2O and
+Keyformer score the whole prompt there), then `--warmup` decode steps. fp16 on a GPU, fp32 on
+CPU (fp16 is emulated there). The caches take turns step by step, so a change in the machine's
+load falls on all of them alike. KIVI's paper policy quantizes keys every R = 128 steps: the
+median is the ordinary step, the mean includes those flush steps.
+
+    python benchmarks/host_graph.py [--context 4096] [--steps 300] [--save after.json] [--compare before.json]
+
+`--save` writes the medians as JSON; `--compare` adds a column from such a file (e.g. the same
+benchmark on the code before a change) and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import kvcompress
+import mlx.core as mx
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from kvcompress.attention import scaled_dot_product_attention
+
+N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
+CACHES = {
+    "full (mlx-lm KVCache)": ("full", {}),
+    "kivi bits=2": ("kivi", {"bits": 2}),
+    "kivi bits=4": ("kivi", {"bits": 4}),
+    "kivi bits=2 grouped": ("kivi", {"bits": 2, "residual_policy": "grouped"}),
+    "kivi bits=4 grouped": ("kivi", {"bits": 4, "residual_policy": "grouped"}),
+    "streaming budget=0.5": ("streaming", {"budget": 0.5}),
+    "h2o budget=0.5": ("h2o", {"budget": 0.5}),
+    "keyformer budget=0.5": ("keyformer", {"budget": 0.5}),
+    "snapkv budget=0.5": ("snapkv", {"budget": 0.5}),
+    "tova budget=0.5": ("tova", {"budget": 0.5}),
+}
+
+
+def one_layer_model():
+    """A one-layer mlx-lm Llama with the 8B model's attention geometry (the caches read it)."""
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=256, num_hidden_layers=1, intermediate_size=256,
+        num_attention_heads=N_HEADS, num_key_value_heads=N_KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+        vocab_size=256, rope_theta=500000.0, tie_word_embeddings=False,
+    )
+    return llama.Model(args)
+
+
+def cache_arrays(cache) -> list[mx.array]:
+    """Every array the cache holds (buffers, codes, scores, ...): evaluated after each step."""
+    found = []
+    for value in vars(cache).values():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        found.extend(a for a in items if isinstance(a, mx.array))
+    return found
+
+
+def op_count(arrays: list[mx.array]) -> int:
+    """MLX operations in the not yet evaluated graph behind `arrays`."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return f.read().count("shape=rectangle")
+
+
+class Run:
+    """One cache decoding random tokens; `step()` returns the host microseconds of one step."""
+
+    def __init__(self, model, method: str, params: dict, context: int, dtype, seed: int):
+        self.cache = KVCache() if method == "full" else kvcompress.make_cache(model, method, **params)[0]
+        self.scale = HEAD_DIM**-0.5
+        k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
+        k = mx.random.normal((1, N_KV_HEADS, context, HEAD_DIM), key=k1).astype(dtype)
+        v = mx.random.normal((1, N_KV_HEADS, context, HEAD_DIM), key=k2).astype(dtype)
+        if method == "full":
+            self.cache.update_and_fetch(k, v)
+        else:
+            q = mx.random.normal((1, N_HEADS, context, HEAD_DIM), key=k3).astype(dtype)
+            self.cache.from_prefill(k, v, q)
+        mx.eval(cache_arrays(self.cache))
+        # a few distinct decode tokens, made once: the timed region builds only the step's graph
+        tokens = []
+        for key in mx.random.split(k4, 16):
+            kq, kk, kv = mx.random.split(key, 3)
+            tokens.append(tuple(mx.random.normal((1, heads, 1, HEAD_DIM), key=kx).astype(dtype)
+                                for heads, kx in ((N_HEADS, kq), (N_KV_HEADS, kk), (N_KV_HEADS, kv))))
+        mx.eval(tokens)
+        self.tokens = tokens
+        self.n = 0
+        self.times: list[float] = []
+
+    def build(self):
+        q, k, v = self.tokens[self.n % len(self.tokens)]
+        self.n += 1
+        keys, values = self.cache.update_and_fetch(k, v)
+        return scaled_dot_product_attention(q, keys, values, cache=self.cache, scale=self.scale, mask=None)
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        out = self.build()
+        spent = (time.perf_counter() - start) * 1e6
+        mx.eval(out, *cache_arrays(self.cache))
+        return spent
+
+    def ops(self) -> int:
+        # eviction caches start part of a step's graph early (mx.async_eval): counted here too
+        async_eval, mx.async_eval = mx.async_eval, lambda *arrays: None
+        try:
+            out = self.build()
+        finally:
+            mx.async_eval = async_eval
+        count = op_count([out, *cache_arrays(self.cache)])
+        mx.eval(out, *cache_arrays(self.cache))
+        return count
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--caches", nargs="+", default=list(CACHES), help=f"labels from {list(CACHES)}")
+    parser.add_argument("--save", help="write the results as JSON here")
+    parser.add_argument("--compare", help="a JSON file from --save (e.g. before a change): adds its column")
+    args = parser.parse_args()
+    gpu = mx.default_device() == mx.gpu
+    dtype = mx.float16 if gpu else mx.float32
+    print(f"mlx {mx.__version__}, {mx.default_device()}, {dtype}, context {args.context}, {args.steps} steps, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    model = one_layer_model()
+    runs = {}
+    for i, label in enumerate(args.caches):
+        start = time.perf_counter()
+        method, params = CACHES[label]
+        runs[label] = Run(model, method, params, args.context, dtype, seed=i)
+        print(f"  {label}: prefilled in {time.perf_counter() - start:.1f} s", flush=True)
+    for _ in range(args.warmup):
+        for run in runs.values():
+            run.step()
+    ops = {label: run.ops() for label, run in runs.items()}
+    for _ in range(args.steps):  # taking turns
+        for run in runs.values():
+            run.times.append(run.step())
+    results = {label: {"median_us": statistics.median(run.times), "mean_us": statistics.fmean(run.times),
+                       "ops": ops[label]} for label, run in runs.items()}
+    before = json.load(open(args.compare))["results"] if args.compare else {}
+    head = "| cache | host us/step (median) | mean | MLX ops/step |"
+    rule = "|---|---|---|---|"
+    if before:
+        head += " before: median us | before: ops | before / now |"
+        rule += "---|---|---|"
+    print(head)
+    print(rule)
+    for label, r in results.items():
+        line = f"| {label} | {r['median_us']:.0f} | {r['mean_us']:.0f} | {r['ops']} |"
+        if before:
+            b = before.get(label)
+            line += (f" {b['median_us']:.0f} | {b['ops']} | {b['median_us'] / r['median_us']:.2f} |" if b else " - | - | - |")
+        print(line)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.save:
+        meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "context": args.context, "steps": args.steps}
+        with open(args.save, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

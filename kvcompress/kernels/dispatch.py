@@ -31,7 +31,11 @@ _paths: dict[str, str] = {}  # "kernel/backend/dtype" -> path of the latest call
 
 def mode() -> str:
     """The forced path from the environment ("auto" when unset); a bad value is an error."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    return _parse_mode(os.environ.get(ENV))
+
+
+def _parse_mode(raw: str | None) -> str:
+    value = (raw or "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ValueError(f"{ENV}: expected one of {', '.join(MODES)} (or unset), got {value!r}")
     return value
@@ -52,22 +56,42 @@ def _dtype_name(dtype) -> str:
     return str(dtype).split(".")[-1]
 
 
+# A decode step calls `select` once per kernel per layer, so its answer is kept per
+# (kernel, dtype, variant, raw KVCOMPRESS_KERNELS value, default device): a later call costs one
+# environment read and a dict lookup, and a changed variable or device is a new key, so the
+# variable still takes effect at once. What `gpu_backend()` reports is read on the first call per
+# key only: `forget_verdicts()` drops these answers too (tests that simulate a GPU call it).
+_decisions: dict[tuple, tuple[str | None, str, str, bool]] = {}  # key -> (backend, path key, path, overrides)
+
+
 def select(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None]) -> str | None:
     """The backend to run `kernel` fused on, or None to run the MLX reference.
 
     selftest(backend) runs a small problem through the fused kernel and its reference and raises
     when they differ (or the kernel does not compile)."""
-    forced = mode()
+    raw = os.environ.get(ENV)
+    key = (kernel, dtype, variant, raw, mx.default_device())
+    decision = _decisions.get(key)
+    if decision is None:
+        decision = _decisions[key] = _decide(kernel, dtype, variant, selftest, _parse_mode(raw))
+    backend, path_key, path, overrides = decision
+    # a key that fell back marks the whole (kernel, backend, dtype) as reference for this run,
+    # unless a forced mode says otherwise
+    if overrides or _paths.get(path_key) != "reference":
+        _paths[path_key] = path
+    return backend
+
+
+def _decide(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None], forced: str):
+    """(backend or None, path key, path, whether the path overrides an earlier one in the record)."""
     backend = gpu_backend()
     path_key = f"{kernel}/{backend or 'cpu'}/{_dtype_name(dtype)}"
     if forced == "fused" and backend is None:
         raise RuntimeError(f"{ENV}=fused but the default device has no CUDA or Metal backend")
     if forced == "reference" or backend is None:
-        _paths[path_key] = "reference"
-        return None
+        return None, path_key, "reference", True
     if forced == "fused":
-        _paths[path_key] = "fused"
-        return backend
+        return backend, path_key, "fused", True
     key = (kernel, backend, _dtype_name(dtype), variant)
     if key not in _verdicts:
         try:
@@ -79,18 +103,22 @@ def select(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None]) 
                 f"kvcompress: fused kernel {kernel} ({backend}, {_dtype_name(dtype)}, {variant}) failed its "
                 f"self-test, using the MLX reference instead: {type(exc).__name__}: {exc}",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     path = _verdicts[key]
-    # a key that fell back marks the whole (kernel, backend, dtype) as reference for this run
-    if _paths.get(path_key) != "reference":
-        _paths[path_key] = path
-    return backend if path == "fused" else None
+    return (backend if path == "fused" else None), path_key, path, False
 
 
 def record_reference(kernel: str, dtype) -> None:
     """Record that a call of `kernel` ran the reference because the fused kernel does not cover it."""
-    _paths[f"{kernel}/{gpu_backend() or 'cpu'}/{_dtype_name(dtype)}"] = "reference"
+    key = (kernel, dtype, mx.default_device())
+    path_key = _reference_keys.get(key)
+    if path_key is None:
+        path_key = _reference_keys[key] = f"{kernel}/{gpu_backend() or 'cpu'}/{_dtype_name(dtype)}"
+    _paths[path_key] = "reference"
+
+
+_reference_keys: dict[tuple, str] = {}  # (kernel, dtype, device) -> path key, as `_decisions`
 
 
 def paths_used() -> dict[str, str]:
@@ -103,8 +131,11 @@ def reset_paths() -> None:
 
 
 def forget_verdicts() -> None:
-    """Drop cached self-test results (tests that swap a kernel source call this)."""
+    """Drop cached self-test results and the answers kept per key (tests that swap a kernel source
+    or simulate a GPU call this)."""
     _verdicts.clear()
+    _decisions.clear()
+    _reference_keys.clear()
 
 
 def assert_close(got: mx.array, want: mx.array, rel_l2: float, what: str) -> None:

@@ -44,18 +44,28 @@ def _check(x: mx.array, bits: int, group_size: int, per_channel: bool) -> int:
     return axis_len
 
 
+_shifts: dict[tuple[int, int], mx.array] = {}
+
+
+def _shift_array(count: int, step: int) -> mx.array:
+    # made once per width: a decode step packs one token per layer, and each op costs host time
+    if (count, step) not in _shifts:
+        _shifts[count, step] = mx.arange(count, dtype=mx.uint32) * step
+        mx.eval(_shifts[count, step])
+    return _shifts[count, step]
+
+
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
     """Pack integer codes [..., N] (N * bits a multiple of 32) into MLX's uint32 layout [..., N * bits / 32]."""
     *lead, n = codes.shape
     codes = codes.astype(mx.uint32)
     if 32 % bits == 0:  # whole codes per word: code i of a word sits at bit i * bits
         per_word = 32 // bits
-        shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-        return (codes.reshape(*lead, n // per_word, per_word) << shifts).sum(-1).astype(mx.uint32)
+        return (codes.reshape(*lead, n // per_word, per_word) << _shift_array(per_word, bits)).sum(-1).astype(mx.uint32)
     # 3 bits: codes straddle words; expand to single bits and regroup the bit stream by 32
-    code_bits = (codes[..., None] >> mx.arange(bits, dtype=mx.uint32)) & 1  # [..., N, bits]
+    code_bits = (codes[..., None] >> _shift_array(bits, 1)) & 1  # [..., N, bits]
     stream = code_bits.reshape(*lead, n * bits // 32, 32)
-    return (stream << mx.arange(32, dtype=mx.uint32)).sum(-1).astype(mx.uint32)
+    return (stream << _shift_array(32, 1)).sum(-1).astype(mx.uint32)
 
 
 def quantize_pack_reference(x: mx.array, bits: int, group_size: int, per_channel: bool = False):
@@ -66,6 +76,11 @@ def quantize_pack_reference(x: mx.array, bits: int, group_size: int, per_channel
                        scales/zeros [..., C, T/G] (keys as K^T, ready for quantized_matmul)
     """
     _check(x, bits, group_size, per_channel)
+    return _reference(x, bits, group_size, per_channel)
+
+
+def _reference(x: mx.array, bits: int, group_size: int, per_channel: bool):
+    # quantize_pack_reference after its checks
     levels = 2**bits - 1
     rows = x.swapaxes(-1, -2) if per_channel else x
     *lead, n = rows.shape
@@ -74,8 +89,9 @@ def quantize_pack_reference(x: mx.array, bits: int, group_size: int, per_channel
     hi = groups.max(-1, keepdims=True)
     scale = ((hi - lo) / levels).astype(x.dtype)
     s = scale.astype(mx.float32)
-    safe = mx.where(s > 0, s, 1.0)
-    codes = mx.where(s > 0, mx.clip(mx.round((groups - lo) / safe), 0, levels), 0)
+    positive = s > 0
+    safe = mx.where(positive, s, 1.0)
+    codes = mx.where(positive, mx.clip(mx.round((groups - lo) / safe), 0, levels), 0)
     packed = pack_codes(codes.reshape(*lead, n), bits)
     return packed, scale.squeeze(-1), lo.astype(x.dtype).squeeze(-1)
 
@@ -261,7 +277,11 @@ def quantize_pack_kernel(
     """The fused GPU kernel (backend "cuda" or "metal"); same contract as `quantize_pack_reference`.
 
     init_value pre-fills the outputs (tests poison them to prove every element is written)."""
-    axis_len = _check(x, bits, group_size, per_channel)
+    return _launch(x, bits, group_size, per_channel, backend, init_value, _check(x, bits, group_size, per_channel))
+
+
+def _launch(x: mx.array, bits: int, group_size: int, per_channel: bool, backend: str, init_value, axis_len: int):
+    # quantize_pack_kernel after its checks
     channels = x.shape[-1]
     lead = x.shape[:-2] if per_channel else x.shape[:-1]
     rows = lead + (channels,) if per_channel else lead
@@ -307,10 +327,9 @@ def _selftest(backend: str, dtype, bits: int, group_size: int, per_channel: bool
 
 def quantize_pack(x: mx.array, bits: int, group_size: int, per_channel: bool = False):
     """KIVI quantize-and-pack on the fused kernel where it passed its self-test, else the reference."""
-    _check(x, bits, group_size, per_channel)
-    variant = (bits, group_size, per_channel)
-    backend = dispatch.select("kivi_quantize_pack", x.dtype, variant,
+    axis_len = _check(x, bits, group_size, per_channel)  # once: a decode step calls this per layer
+    backend = dispatch.select("kivi_quantize_pack", x.dtype, (bits, group_size, per_channel),
                               lambda b: _selftest(b, x.dtype, bits, group_size, per_channel))
     if backend is None:
-        return quantize_pack_reference(x, bits, group_size, per_channel)
-    return quantize_pack_kernel(x, bits, group_size, per_channel, backend)
+        return _reference(x, bits, group_size, per_channel)
+    return _launch(x, bits, group_size, per_channel, backend, None, axis_len)

@@ -149,29 +149,44 @@ class KiviCache(CompressedCache):
         # keys, values: [B, H_kv, S, D] post-RoPE. Returns (keys, values) as `PackedSide`s for
         # `attention`. A decode step (S == 1) sees the cache after this step's flush, as the paper's
         # Algorithm 1; a longer chunk sees itself in full precision (as KIVI's prefill does).
+        S = keys.shape[2]
         res_k = keys if self.keys is None else mx.concatenate([self.keys, keys], axis=2)
-        res_v = values if self.values is None else mx.concatenate([self.values, values], axis=2)
-        before = (PackedSide(self.keys_packed, self.n_keys_quantized, res_k),
-                  PackedSide(self.values_packed, self.n_values_quantized, res_v))
-        self.offset += keys.shape[2]
+        self.offset += S
         target_k, target_v = self.quantized_targets(self.offset)
-        G = self.group_size
+        n_v = target_v - self.n_values_quantized  # values that leave the residual now
+        before = None
+        if S == 1 and self.values is not None and n_v <= self.values.shape[2]:
+            # decode: the leaving values are the oldest held ones (the paper's policy: one per step),
+            # quantized straight from the residual; the rest and the new token are joined in one
+            # copy (not a copy of residual + token, then a slice and a second copy)
+            held = self.values
+            if n_v > 0:
+                self._append_values(quantize_pack(held[:, :, :n_v], self.value_bits, self.group_size, per_channel=False),
+                                    n_v)
+                held = held[:, :, n_v:]
+            res_v = mx.concatenate([held, values], axis=2)
+        else:
+            res_v = values if self.values is None else mx.concatenate([self.values, values], axis=2)
+            if S > 1:
+                before = (PackedSide(self.keys_packed, self.n_keys_quantized, res_k),
+                          PackedSide(self.values_packed, self.n_values_quantized, res_v))
+            if n_v > 0:
+                self._append_values(quantize_pack(res_v[:, :, :n_v], self.value_bits, self.group_size, per_channel=False),
+                                    n_v)
+                res_v = _own(res_v[:, :, n_v:])
+        if n_v > 0:
+            self.n_values_quantized = target_v
         if target_k > self.n_keys_quantized:
             n = target_k - self.n_keys_quantized
-            new = quantize_pack(res_k[:, :, :n], self.key_bits, G, per_channel=True)
+            new = quantize_pack(res_k[:, :, :n], self.key_bits, self.group_size, per_channel=True)
             if self.keys_packed is None:
                 self.keys_packed = new
             else:  # keys grow along their last (token) axis; a flush is R tokens, every R steps
                 self.keys_packed = tuple(mx.concatenate([a, b], axis=-1) for a, b in zip(self.keys_packed, new))
             res_k = _own(res_k[:, :, n:])
             self.n_keys_quantized = target_k
-        if target_v > self.n_values_quantized:
-            n = target_v - self.n_values_quantized
-            self._append_values(quantize_pack(res_v[:, :, :n], self.value_bits, G, per_channel=False), n)
-            res_v = _own(res_v[:, :, n:])
-            self.n_values_quantized = target_v
         self.keys, self.values = res_k, res_v
-        if keys.shape[2] > 1:
+        if before is not None:
             return before
         return (PackedSide(self.keys_packed, self.n_keys_quantized, res_k),
                 PackedSide(self.values_packed, self.n_values_quantized, res_v))

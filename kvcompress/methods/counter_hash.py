@@ -25,11 +25,19 @@ def _gumbel_from(step: mx.array, key_positions: mx.array) -> mx.array:
     return -mx.log(-mx.log(u))
 
 
+def _redrawn_from(stream: mx.array, query_positions: mx.array, key_positions: mx.array) -> mx.array:
+    """stream [R, G], query_positions [L], key_positions [R or 1, n] -> Gumbel noise [R, G, L, n]."""
+    step = mix(stream[..., None] ^ (query_positions.astype(mx.uint32) + 1))  # [R, G, L]
+    return _gumbel_from(step, key_positions)
+
+
 # The per-element chain is ~17 elementwise ops; on a GPU each would be a kernel reading and writing the
 # whole [R, G, L, n] tile (prompt scoring at 32k spent most of its time here). mx.compile fuses them
-# into one kernel. Integer hashing is exact either way; on the CPU MLX compiles with the system C++
-# compiler per shape, which costs more than it saves, so the CPU keeps the plain chain.
+# into one kernel (with the step hash before them: a decode step builds one op, not a dozen).
+# Integer hashing is exact either way; on the CPU MLX compiles with the system C++ compiler per
+# shape, which costs more than it saves, so the CPU keeps the plain chain.
 _gumbel_fused = mx.compile(_gumbel_from)
+_redrawn_fused = mx.compile(_redrawn_from)
 
 
 def noise_streams(seed: int, layer: int, heads: mx.array) -> mx.array:
@@ -53,11 +61,9 @@ def gumbel_noise(seed: int, layer: int, heads: mx.array, query_positions: mx.arr
 def gumbel_noise_from_streams(stream: mx.array, query_positions: mx.array | None, key_positions: mx.array,
                               fused: bool | None = None) -> mx.array:
     """`gumbel_noise` from its `noise_streams` [R, G]."""
-    u32 = mx.uint32
-    if query_positions is None:
-        step = mix(stream)[..., None]  # [R, G, 1]
-    else:
-        step = mix(stream[..., None] ^ (query_positions.astype(u32) + 1))  # [R, G, L]
     if fused is None:
         fused = mx.default_device().type == mx.DeviceType.gpu
-    return (_gumbel_fused if fused else _gumbel_from)(step, key_positions)
+    if query_positions is None:
+        step = mix(stream)[..., None]  # [R, G, 1]
+        return (_gumbel_fused if fused else _gumbel_from)(step, key_positions)
+    return (_redrawn_fused if fused else _redrawn_from)(stream, query_positions, key_positions)

@@ -199,6 +199,7 @@ class EvictionCache(CompressedCache):
         self.rope_step = None  # (cos, sin) of one RoPE position, for compact-mode eviction
         self._unscored = 0  # tokens appended and not yet seen by attention()
         self._new_keys = None  # [R, S, D] the keys of those tokens
+        self._zeros = None  # see _zero_score
 
     # -- the slots in use (views of the buffers: no copy) -------------------------------------
 
@@ -230,12 +231,18 @@ class EvictionCache(CompressedCache):
         B, H, S, D = keys.shape
         R = B * H
         self.batch = B
-        positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
+        if S == 1:  # a decode step: one op per array (each op costs host time, per layer per step)
+            positions = mx.full((R, 1), self.position, mx.int32)
+        else:
+            positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
         keys, values = keys.reshape(R, S, D), values.reshape(R, S, D)
         if self.prompt_len is not None and self.config.decode == "grow":
             scores = None  # appended, never evicted
         elif self.scorer.decode == "fixed":
             scores = self.scorer.score_new(self, keys, positions)
+        elif S == 1 and self.free is not None:  # a one-pass decode step: the token goes into the free slot
+            # "replace": this step's attention replaces every score anyway
+            scores = None if self.scorer.decode == "replace" else self._zero_score(R)
         else:
             scores = mx.zeros((R, S), mx.float32)
         self._store(keys, values, scores, positions)
@@ -456,13 +463,18 @@ class EvictionCache(CompressedCache):
             self._set(keys, values, scores, positions)
             return
         if self.free is not None:
+            S = keys.shape[1]
             slot = self.free[:, None]  # [R, 1]
-            self._keys = mx.put_along_axis(self._keys, slot[..., None], keys[:, :1], axis=1)
-            self._values = mx.put_along_axis(self._values, slot[..., None], values[:, :1], axis=1)
-            self._positions = mx.put_along_axis(self._positions, slot, positions[:, :1], axis=1)
+            token = slot[..., None]  # [R, 1, 1]
+            first = (lambda a: a) if S == 1 else (lambda a: a[:, :1])  # a decode step: no slicing
+            self._keys = mx.put_along_axis(self._keys, token, first(keys), axis=1)
+            self._values = mx.put_along_axis(self._values, token, first(values), axis=1)
+            self._positions = mx.put_along_axis(self._positions, slot, first(positions), axis=1)
             if scores is not None:
-                self._scores = mx.put_along_axis(self._scores, slot, scores[:, :1], axis=1)
+                self._scores = mx.put_along_axis(self._scores, slot, first(scores), axis=1)
             self.free = None
+            if S == 1:
+                return
             keys, values, positions = keys[:, 1:], values[:, 1:], positions[:, 1:]
             scores = None if scores is None else scores[:, 1:]
         S = keys.shape[1]
@@ -485,6 +497,13 @@ class EvictionCache(CompressedCache):
             self._scores = _room(self._scores, start, end, spare)
             self._scores[:, start:end] = scores
         self.length = end
+
+    def _zero_score(self, rows: int) -> mx.array:
+        """The score [rows, 1] of a decode step's token before attention adds its own: zero, made
+        once (only ever scattered into the buffer, so sharing it is safe)."""
+        if self._zeros is None or self._zeros.shape[0] != rows:
+            self._zeros = mx.zeros((rows, 1), mx.float32)
+        return self._zeros
 
     def _set_offset(self):
         self.offset = self.position if self.config.positions == "exact" else self.length
@@ -524,7 +543,7 @@ class EvictionCache(CompressedCache):
         for field, value in meta.items():
             setattr(self, field, value)
         if not hasattr(self, "rope"):  # restored by from_state: no model here
-            self.rope, self.window_queries, self._unscored, self._new_keys = None, None, 0, None
+            self.rope, self.window_queries, self._unscored, self._new_keys, self._zeros = None, None, 0, None, None
 
 
 def _room(a, start: int, end: int, spare: int):

@@ -26,6 +26,7 @@ import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import check, is_int
 from .counter_hash import gumbel_noise_from_streams, noise_streams
@@ -93,14 +94,24 @@ class Keyformer(Eviction):
         return gumbel_noise_from_streams(_streams(self.seed, cache.layer, rows, group), steps, key_positions)
 
     def _tau_at(self, cache, query_positions):
+        """tau at the query positions, [L, 1] (a float at a decode step's one query)."""
+        if cache.prompt_len is not None and query_positions.shape[0] == 1:
+            return self._step_tau(cache, cache.position - 1)  # a decode step's query is the newest token
         prompt_end = cache.prompt_len if cache.prompt_len is not None else 1 << 30
-        return self.tau(query_positions - prompt_end)
+        return self.tau(query_positions - prompt_end)[:, None]
+
+    def _step_tau(self, cache, query_position: int) -> float:
+        """`tau` at one decode query position, computed on the host (no MLX ops per layer per step)
+        with the same float32 operations, so the value is bit for bit the same."""
+        steps = self.anneal_steps or DROP_IN_GENERATION
+        t = np.float32(min(max(query_position - cache.prompt_len, 0), steps))
+        return float(np.float32(self.tau_init) + t * np.float32((self.tau_end - self.tau_init) / steps))
 
     def transform(self, cache, logits, query_positions, key_positions):
         if self.score == "proxy":
             return logits
         noise = self._noise(cache, *logits.shape[:2], query_positions, key_positions)  # [R, G, L|1, n]
-        return (logits + noise) / self._tau_at(cache, query_positions)[:, None]
+        return (logits + noise) / self._tau_at(cache, query_positions)
 
     def score_queries(self, cache, queries, new_keys):
         return new_keys[:, None] if self.score == "proxy" else queries
@@ -108,9 +119,8 @@ class Keyformer(Eviction):
     def evict_by(self, cache, step):
         if self.score != "proxy":
             return cache.scores
-        step = mx.array([step], mx.int32)
-        noise = self._noise(cache, cache.keys.shape[0], 1, step, cache.positions)[:, 0, 0]
-        return cache.scores + self._tau_at(cache, step) * noise
+        noise = self._noise(cache, cache.keys.shape[0], 1, mx.array([step], mx.int32), cache.positions)[:, 0, 0]
+        return cache.scores + self._step_tau(cache, step) * noise
 
 
 @functools.lru_cache(maxsize=4096)

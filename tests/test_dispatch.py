@@ -92,3 +92,19 @@ def test_run_config_records_the_kernel_paths():
     assert config["kernels"] == {"kivi_decode_attention/cpu/float32": "reference",
                                  "kivi_quantize_pack/cpu/float32": "reference"}
     assert record.run["run_id"] == run_id(run_config(context, sample, kivi))
+
+
+def test_answers_are_kept_per_key_yet_recorded_and_the_variable_still_applies_at_once(fake_gpu, monkeypatch):
+    calls = []
+    assert dispatch.select("k", mx.float16, (2,), calls.append) == "cuda"
+    dispatch.reset_paths()
+    assert dispatch.select("k", mx.float16, (2,), calls.append) == "cuda"  # a kept answer is recorded again
+    assert calls == ["cuda"] and dispatch.paths_used() == {"k/cuda/float16": "fused"}
+    monkeypatch.setenv(dispatch.ENV, "reference")
+    assert dispatch.select("k", mx.float16, (2,), calls.append) is None
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    assert dispatch.select("k", mx.float16, (2,), calls.append) == "cuda" and calls == ["cuda"]  # no second self-test
+    assert dispatch.paths_used() == {"k/cuda/float16": "reference"}  # as before: a reference call stays recorded
+    dispatch.forget_verdicts()
+    dispatch.select("k", mx.float16, (2,), calls.append)
+    assert calls == ["cuda", "cuda"]

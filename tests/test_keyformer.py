@@ -144,3 +144,21 @@ def test_fused_noise_matches_the_plain_chain():
     plain = gumbel_noise(7, 3, heads, mx.array([10, 11, 12]), keys, fused=False)
     fused = gumbel_noise(7, 3, heads, mx.array([10, 11, 12]), keys, fused=True)
     assert mx.allclose(fused, plain, rtol=1e-6, atol=1e-6).item()
+
+
+def test_decode_tau_on_the_host_is_the_array_tau_bit_for_bit():
+    """A decode step computes tau on the host (no MLX ops); it must be the float32 value `tau` gives,
+    and dividing by it the same division."""
+    from types import SimpleNamespace
+
+    x = mx.random.normal((3, 4, 1, 50), key=mx.random.key(1)) * 7
+    for cfg in (Keyformer(), Keyformer(tau_init=0.7, tau_end=3.3, anneal_steps=37), Keyformer(tau_init=2, tau_end=1).for_run(100),
+                Keyformer(tau_init=1e-3, tau_end=17.25, anneal_steps=3)):
+        cache = SimpleNamespace(prompt_len=1000, position=None)
+        for p in (990, 999, 1000, 1001, 1002, 1017, 1036, 1037, 1099, 1100, 1101, 1300, 100000):
+            host = cfg._step_tau(cache, p)
+            want = cfg.tau(mx.array([p - 1000], mx.int32))
+            assert isinstance(host, float) and np.float32(host) == np.array(want)[0] and float(np.float32(host)) == host
+            assert mx.array_equal(x / host, x / want[:, None]).item()
+            cache.position = p + 1  # the newest token sits at position - 1: what the transform sees at decode
+            assert cfg._tau_at(cache, mx.array([p], mx.int32)) == host

@@ -330,3 +330,51 @@ def test_kivi8_is_near_lossless_on_embedded_model(embedded):
         kls.append(mx.sum(mx.exp(lp) * (lp - lq)).item())
     mean_kl = sum(kls) / len(kls)
     assert 0 < mean_kl < 1e-3, mean_kl
+
+
+# --- the decode step's own path (host cost: kvcompress/methods/kivi.py update_and_fetch) ---------
+
+
+def _same_state(a, b):
+    assert (a.offset, a.n_keys_quantized, a.n_values_quantized) == (b.offset, b.n_keys_quantized, b.n_values_quantized)
+    for x, y in zip(a.state[:8], b.state[:8]):
+        assert (x is None and y is None) or mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize("kb,vb,policy,residual", [(2, 2, "paper", 64), (4, 2, "paper", 32), (2, 4, "grouped", 40),
+                                                   (4, 4, "grouped", 0)])
+def test_decode_steps_equal_a_cache_built_from_scratch(kb, vb, policy, residual):
+    """Token by token after a prefill (value flushes every step, key flushes every R steps): each
+    step's attention output and dequantized() are bit for bit those of a cache given the same tokens
+    in one chunk."""
+    T0, steps = 150, 140
+    keys, values = kv(T0 + steps, H=2, seed=21)
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(22))
+    cache = fill(KiviCache(kb, vb, 32, residual, policy), keys[:, :, :T0], values[:, :, :T0], [T0])
+    for t in range(T0 + 1, T0 + steps + 1):
+        view = cache.update_and_fetch(keys[:, :, t - 1 : t], values[:, :, t - 1 : t])
+        out = cache.attention(q, *view, scale=0.125, mask=None)
+        if t % 11 and t % 32 not in (0, 1) and t != T0 + steps:  # check every 11th step and at flushes
+            mx.eval(out, cache.state[:8])
+            continue
+        ref = fill(KiviCache(kb, vb, 32, residual, policy), keys[:, :, :t], values[:, :, :t], [t])
+        _same_state(cache, ref)
+        assert mx.array_equal(out, ref.attention(q, *ref._sides(), scale=0.125, mask=None)).item(), t
+        for a, b in zip(cache.dequantized(), ref.dequantized()):
+            assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("policy", ["paper", "grouped"])
+def test_decode_after_trim_and_reload_equals_the_chunk_path(policy):
+    keys, values = kv(330, H=2, seed=23)
+    cache = fill(KiviCache(2, 2, 32, 64, policy), keys[:, :, :250], values[:, :, :250], [200] + [1] * 50)
+    assert cache.trim(7) == 7 and cache.offset == 243
+    chunked = KiviCache(2, 2, 32, 64, policy)
+    chunked.state, chunked.meta_state = cache.state, cache.meta_state  # as load_prompt_cache restores
+    fill(cache, keys[:, :, 243:330], values[:, :, 243:330], [1] * 87)  # decode steps
+    fill(chunked, keys[:, :, 243:330], values[:, :, 243:330], [87])  # one chunk: the general path
+    _same_state(cache, chunked)
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(24))
+    k1, v1 = kv(1, H=2, seed=25)
+    outs = [c.attention(q, *c.update_and_fetch(k1, v1), scale=0.125, mask=None) for c in (cache, chunked)]
+    assert mx.array_equal(*outs).item()

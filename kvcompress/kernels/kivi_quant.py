@@ -21,6 +21,7 @@ GPU available), each used only after a bit-exact self-test on first use; on CPU 
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import mlx.core as mx
@@ -261,16 +262,6 @@ def _kernel(backend: str):
     return _kernels[backend]
 
 
-_dims_cache: dict[tuple, mx.array] = {}
-
-
-def _dims(values: tuple) -> mx.array:
-    # one small array per shape, made once: a decode step quantizes the same shapes every step
-    if values not in _dims_cache:
-        _dims_cache[values] = mx.array(values, dtype=mx.int64)
-    return _dims_cache[values]
-
-
 def quantize_pack_kernel(
     x: mx.array, bits: int, group_size: int, per_channel: bool = False, backend: str = "cuda", init_value=None
 ):
@@ -282,8 +273,17 @@ def quantize_pack_kernel(
 
 def _launch(x: mx.array, bits: int, group_size: int, per_channel: bool, backend: str, init_value, axis_len: int):
     # quantize_pack_kernel after its checks
-    channels = x.shape[-1]
-    lead = x.shape[:-2] if per_channel else x.shape[:-1]
+    plan = _plan(x.shape, x.dtype, bits, group_size, per_channel, axis_len)
+    packed, scales, zeros = _kernel(backend)(inputs=[x, plan["dims"]], **plan["launch"], init_value=init_value)
+    return packed, scales, zeros
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(shape: tuple, dtype, bits: int, group_size: int, per_channel: bool, axis_len: int) -> dict:
+    """Grid, template, output shapes and the `dims` array of one input shape, made once: a decode
+    step quantizes the same shapes every step, per layer."""
+    channels = shape[-1]
+    lead = shape[:-2] if per_channel else shape[:-1]
     rows = lead + (channels,) if per_channel else lead
     n_rows = 1
     for r in rows:
@@ -298,17 +298,15 @@ def _launch(x: mx.array, bits: int, group_size: int, per_channel: bool, backend:
     else:
         threads, c_tiles, g_tiles = 256, 0, 0
         grid = ((n_groups + threads - 1) // threads * threads, 1, 1)
-    dims = _dims((n_groups, channels, axis_len, c_tiles, g_tiles))
-    packed, scales, zeros = _kernel(backend)(
-        inputs=[x, dims],
-        template=[("T", x.dtype), ("BITS", bits), ("GROUP", group_size), ("PER_CHANNEL", per_channel)],
+    dims = mx.array((n_groups, channels, axis_len, c_tiles, g_tiles), dtype=mx.int64)
+    launch = dict(
+        template=[("T", dtype), ("BITS", bits), ("GROUP", group_size), ("PER_CHANNEL", per_channel)],
         grid=grid,
         threadgroup=(threads, 1, 1),
         output_shapes=[rows + (axis_len * bits // 32,), rows + (axis_len // group_size,), rows + (axis_len // group_size,)],
-        output_dtypes=[mx.uint32, x.dtype, x.dtype],
-        init_value=init_value,
+        output_dtypes=[mx.uint32, dtype, dtype],
     )
-    return packed, scales, zeros
+    return {"dims": dims, "launch": launch}
 
 
 def _selftest(backend: str, dtype, bits: int, group_size: int, per_channel: bool) -> None:

@@ -266,14 +266,17 @@ class EvictionCache(CompressedCache):
             if S == 1:
                 self._complete_prompt()
             return out
-        query_positions = mx.arange(self.position - S, self.position, dtype=mx.int32)
+        decode = "grow" if self.config.decode == "grow" else self.scorer.decode
+        masked = S > 1 or self.padded
+        query_positions = None  # built only where used: every op costs host time, per layer per step
+        if masked or decode == "accumulate":
+            query_positions = mx.arange(self.position - S, self.position, dtype=mx.int32)
         keys, values = self.keys, self.values
         logits = folded_logits(q, keys, scale)  # [R, G, S, n]
-        if S > 1 or self.padded:
+        if masked:
             logits = self._causal(logits, query_positions)
         probs = mx.softmax(logits, axis=-1, precise=True)
         out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
-        decode = "grow" if self.config.decode == "grow" else self.scorer.decode
         if decode == "accumulate":
             self._scores = self.scores + self._step_increments(q, new_keys, logits, probs, query_positions, scale)
         elif decode == "replace":

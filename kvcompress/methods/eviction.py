@@ -231,10 +231,7 @@ class EvictionCache(CompressedCache):
         B, H, S, D = keys.shape
         R = B * H
         self.batch = B
-        if S == 1:  # a decode step: one op per array (each op costs host time, per layer per step)
-            positions = mx.full((R, 1), self.position, mx.int32)
-        else:
-            positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
+        positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
         keys, values = keys.reshape(R, S, D), values.reshape(R, S, D)
         if self.prompt_len is not None and self.config.decode == "grow":
             scores = None  # appended, never evicted
@@ -466,9 +463,9 @@ class EvictionCache(CompressedCache):
             self._set(keys, values, scores, positions)
             return
         if self.free is not None:
-            S = keys.shape[1]
+            R, S, D = keys.shape
             slot = self.free[:, None]  # [R, 1]
-            token = slot[..., None]  # [R, 1, 1]
+            token = mx.broadcast_to(slot[..., None], (R, 1, D))  # one index array for keys and values
             first = (lambda a: a) if S == 1 else (lambda a: a[:, :1])  # a decode step: no slicing
             self._keys = mx.put_along_axis(self._keys, token, first(keys), axis=1)
             self._values = mx.put_along_axis(self._values, token, first(values), axis=1)

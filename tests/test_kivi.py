@@ -368,7 +368,12 @@ def test_decode_steps_equal_a_cache_built_from_scratch(kb, vb, policy, residual)
 def test_decode_after_trim_and_reload_equals_the_chunk_path(policy):
     keys, values = kv(330, H=2, seed=23)
     cache = fill(KiviCache(2, 2, 32, 64, policy), keys[:, :, :250], values[:, :, :250], [200] + [1] * 50)
-    assert cache.trim(7) == 7 and cache.offset == 243
+    reloaded = KiviCache(2, 2, 32, 64, policy)  # restored mid-decode (codes written ahead are not saved)
+    reloaded.state, reloaded.meta_state = cache.state, cache.meta_state
+    for c in (cache, reloaded):
+        fill(c, keys[:, :, 250:290], values[:, :, 250:290], [1] * 40)
+    _same_state(cache, reloaded)
+    assert cache.trim(47) == 47 and cache.offset == 243
     chunked = KiviCache(2, 2, 32, 64, policy)
     chunked.state, chunked.meta_state = cache.state, cache.meta_state  # as load_prompt_cache restores
     fill(cache, keys[:, :, 243:330], values[:, :, 243:330], [1] * 87)  # decode steps
@@ -378,3 +383,27 @@ def test_decode_after_trim_and_reload_equals_the_chunk_path(policy):
     k1, v1 = kv(1, H=2, seed=25)
     outs = [c.attention(q, *c.update_and_fetch(k1, v1), scale=0.125, mask=None) for c in (cache, chunked)]
     assert mx.array_equal(*outs).item()
+
+
+@pytest.mark.parametrize("policy,residual", [("paper", 32), ("paper", 128), ("grouped", 32)])
+def test_values_coded_ahead_leave_memory_and_results_as_before(policy, residual):
+    """Decode quantizes held residual values ahead into the value buffer's spare rows (kivi.py
+    `_code_ahead`); the buffer still grows exactly when and as it did when each value was quantized
+    on leaving the residual (live_kv_bytes unchanged), and the state stays bit for bit that of a
+    cache built from scratch, across several growths."""
+    T0, steps = 40, 700
+    keys, values = kv(T0 + steps, H=1, D=32, seed=26)
+    cache = fill(KiviCache(2, 2, 32, residual, policy), keys[:, :, :T0], values[:, :, :T0], [T0])
+    capacity = cache.n_values_quantized  # a prefill allocates exactly
+    for t in range(T0 + 1, T0 + steps + 1):
+        cache.update_and_fetch(keys[:, :, t - 1 : t], values[:, :, t - 1 : t])
+        target_v = cache.quantized_targets(t)[1]
+        if target_v > capacity:  # as the buffer grew before: the leaving values plus VALUE_ROWS_STEP spare
+            capacity = target_v + (256 if capacity else 0)
+        got = 0 if cache.values_packed is None else cache.values_packed[0].shape[2]
+        assert got == capacity, t
+        assert cache.n_values_quantized <= cache.n_values_coded <= max(capacity, cache.n_values_quantized)
+        if t % 97 == 0 or t == T0 + steps:
+            _same_state(cache, fill(KiviCache(2, 2, 32, residual, policy), keys[:, :, :t], values[:, :, :t], [t]))
+    if policy == "paper":  # codes really were written ahead (the test can fail)
+        assert cache.n_values_coded > cache.n_values_quantized

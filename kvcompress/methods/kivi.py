@@ -12,8 +12,9 @@ keys and values alike keep between R and R + G - 1 recent tokens, flushed a whol
 Prefilling in one shot or token by token quantizes the same positions identically in both.
 
 Unlike a fake-quantizing cache, the codes are what is stored: keys as K^T [B, H_kv, D, T_k] packed
-along tokens and values as [B, H_kv, T_v, D] packed along channels (with spare rows, so a decode
-step writes one row in place), in MLX's quantized layout. Decode attention runs on the codes
+along tokens and values as [B, H_kv, T_v, D] packed along channels (with spare rows, into which a
+decode step writes the codes of held residual values ahead of their leaving, in place: most steps
+then write nothing), in MLX's quantized layout. Decode attention runs on the codes
 (kvcompress/kernels/kivi_attention.py: a fused kernel on GPU, `mx.quantized_matmul` otherwise), the
 residual joining the same softmax. `live_kv_bytes` is the bytes of those arrays.
 """
@@ -101,7 +102,8 @@ class KiviCache(CompressedCache):
     """Packed KIVI storage for one layer (see module docstring).
 
     keys_packed   = (codes [B, H, D, n_k*kb/32] uint32, scales [B, H, D, n_k/G], zeros [B, H, D, n_k/G])
-    values_packed = (codes [B, H, cap, D*vb/32] uint32, scales [B, H, cap, D/G], zeros ...), first n_v rows used
+    values_packed = (codes [B, H, cap, D*vb/32] uint32, scales [B, H, cap, D/G], zeros ...), first n_v rows used,
+                    rows n_v .. n_values_coded - 1 the codes of residual values, written ahead
     keys, values  = the full-precision residuals [B, H, offset - n_k, D] and [B, H, offset - n_v, D]
     """
 
@@ -117,6 +119,7 @@ class KiviCache(CompressedCache):
         self.keys_packed = self.values_packed = None
         self.keys = self.values = None
         self.n_keys_quantized = self.n_values_quantized = 0
+        self.n_values_coded = 0  # value buffer rows holding codes: n_values_quantized plus any written ahead
         self.offset = 0
 
     def quantized_targets(self, offset: int) -> tuple[int, int]:
@@ -145,6 +148,27 @@ class KiviCache(CompressedCache):
             grown.append(mx.concatenate(parts, axis=2) if len(parts) > 1 else rows)
         self.values_packed = tuple(grown)
 
+    def _code_ahead(self, held, leaving: int) -> None:
+        """Codes for the first `leaving` values of the held residual `held`, written into the value
+        buffer past the used rows. Values are quantized per token, so a value's codes do not depend
+        on when they are made: this quantizes every held value the buffer's spare rows have room for,
+        and the steps after find the codes of their leaving value already written (the paper's
+        policy: one quantize-and-write per up to R steps instead of one per step, same codes). The
+        buffer grows exactly when and as it did when each value was quantized on leaving (so
+        `live_kv_bytes` is unchanged): when the leaving values do not fit."""
+        used, coded = self.n_values_quantized, self.n_values_coded
+        capacity = 0 if self.values_packed is None else self.values_packed[0].shape[2]
+        end = min(held.shape[2], capacity - used)  # held values the buffer has rows for
+        bits, G = self.value_bits, self.group_size
+        if end < leaving:
+            self._append_values(quantize_pack(held[:, :, :leaving], bits, G, per_channel=False), leaving)
+            self.n_values_coded = used + leaving
+            return
+        new = quantize_pack(held[:, :, coded - used : end], bits, G, per_channel=False)
+        for buffer, rows in zip(self.values_packed, new):
+            buffer[:, :, coded : used + end, :] = rows
+        self.n_values_coded = used + end
+
     def update_and_fetch(self, keys, values):
         # keys, values: [B, H_kv, S, D] post-RoPE. Returns (keys, values) as `PackedSide`s for
         # `attention`. A decode step (S == 1) sees the cache after this step's flush, as the paper's
@@ -157,12 +181,13 @@ class KiviCache(CompressedCache):
         before = None
         if S == 1 and self.values is not None and n_v <= self.values.shape[2]:
             # decode: the leaving values are the oldest held ones (the paper's policy: one per step),
-            # quantized straight from the residual; the rest and the new token are joined in one
-            # copy (not a copy of residual + token, then a slice and a second copy)
+            # usually with their codes already written (`_code_ahead`); the rest and the new token
+            # are joined in one copy (not a copy of residual + token, then a slice and a second copy)
             held = self.values
             if n_v > 0:
-                self._append_values(quantize_pack(held[:, :, :n_v], self.value_bits, self.group_size, per_channel=False),
-                                    n_v)
+                if target_v > self.n_values_coded:
+                    self._code_ahead(held, n_v)
+                self.n_values_quantized = target_v
                 held = held[:, :, n_v:]
             res_v = mx.concatenate([held, values], axis=2)
         else:
@@ -174,8 +199,7 @@ class KiviCache(CompressedCache):
                 self._append_values(quantize_pack(res_v[:, :, :n_v], self.value_bits, self.group_size, per_channel=False),
                                     n_v)
                 res_v = _own(res_v[:, :, n_v:])
-        if n_v > 0:
-            self.n_values_quantized = target_v
+                self.n_values_quantized = self.n_values_coded = target_v
         if target_k > self.n_keys_quantized:
             n = target_k - self.n_keys_quantized
             new = quantize_pack(res_k[:, :, :n], self.key_bits, self.group_size, per_channel=True)
@@ -263,6 +287,7 @@ class KiviCache(CompressedCache):
         self.keys = _own(keys[:, :, target_k:new_offset].astype(self.keys.dtype))
         self.values = _own(values[:, :, target_v:new_offset].astype(self.values.dtype))
         self.n_keys_quantized, self.n_values_quantized, self.offset = target_k, target_v, new_offset
+        self.n_values_coded = target_v
         return n
 
     # state: arrays (the used value rows only), then the values that define the cache, so
@@ -281,7 +306,7 @@ class KiviCache(CompressedCache):
         self.values_packed = None if v_codes is None else (v_codes, v_scales, v_zeros)
         self._set_meta(v[8:])
         self.n_keys_quantized = 0 if k_codes is None else k_codes.shape[-1] * 32 // self.key_bits
-        self.n_values_quantized = 0 if v_codes is None else v_codes.shape[2]
+        self.n_values_quantized = self.n_values_coded = 0 if v_codes is None else v_codes.shape[2]
 
     def _meta(self) -> tuple:
         return self.offset, self.key_bits, self.value_bits, self.group_size, self.residual, self.residual_policy

@@ -7,8 +7,9 @@ language-modelling sample (400-token context, 150 teacher-forced decode steps, s
 paper-policy flushes and eviction happen many times) through the runner with KIVI (2/4 bits, paper
 and grouped policies, R 128 and 32), StreamingLLM, H2O, Keyformer (attention and proxy scores),
 SnapKV and TOVA at budget 0.5, and writes every column of the run, step and evidence rows except
-the timings. `compare` prints the columns that differ. `method_peak_bytes` is a measured allocator
-peak: fewer or other temporaries move it without any result changing, so it is reported apart.
+the timings. `compare` prints the columns that differ. `method_peak_bytes` and `peak_memory_bytes`
+are measured allocator peaks: they move between two runs of the same code, and fewer or other
+temporaries move them without any result changing, so they are reported apart.
 
     python benchmarks/same_results.py dump before.json     # on the old code
     python benchmarks/same_results.py dump after.json      # on the new code
@@ -20,8 +21,8 @@ from __future__ import annotations
 import json
 import sys
 
-TIMINGS = {"step_ms", "decode_tok_s", "prefill_s"}
-MEASURED = {"method_peak_bytes"}
+TIMINGS = {"step_ms", "decode_tok_s", "prefill_s", "created_at"}
+MEASURED = {"method_peak_bytes", "peak_memory_bytes"}
 
 
 def dump(path: str) -> None:
@@ -58,7 +59,7 @@ def compare(before_path: str, after_path: str) -> int:
     for run_id, a in before.items():
         b = after[run_id]
         label = a["run"].get("config_label", run_id)
-        for column in sorted(set(a["run"]) | set(b["run"])):
+        for column in sorted((set(a["run"]) | set(b["run"])) - TIMINGS):
             x, y = a["run"].get(column), b["run"].get(column)
             if x != y:
                 kind = "measured" if column in MEASURED else "RESULT"

@@ -17,16 +17,21 @@ the MLX operations one step adds to the graph (nodes of `mx.export_to_dot`).
 State: one layer, 8 KV heads, 32 query heads, head_dim 128 (the Llama-3.1-8B shape), a prompt of
 `--context` random tokens given to each cache through `from_prefill` (the sweep's path; H2O and
 Keyformer score the whole prompt there), then `--warmup` decode steps. fp16 on a GPU, fp32 on
-CPU (fp16 is emulated there). The caches take turns step by step, so a change in the machine's
-load falls on all of them alike. KIVI's paper policy quantizes keys every R = 128 steps: the
-median is the ordinary step, the mean includes those flush steps.
+CPU (fp16 is emulated there). The caches take turns step by step, in a new seeded order each
+round, so a change in the machine's load falls on all of them alike. KIVI's paper policy
+quantizes keys every R = 128 steps (and values ahead, up to R at a time): the median is the
+ordinary step, the mean includes those steps.
 
-    python benchmarks/host_graph.py [--context 4096] [--steps 300] [--save after.json] [--compare before.json]
+    python benchmarks/host_graph.py [--context 4096] [--steps 300] [--save after.json]
+                                    [--compare before.json] [--against REV]
 
 `--save` writes the medians as JSON; `--compare` adds a column from such a file (e.g. the same
-benchmark on the code before a change) and the ratio. A second table times single calls of the
-pieces a step is made of (a plain op, slicing, the kernel entry points): on a GPU it shows what one
-custom-kernel launch costs the host.
+benchmark on the code before a change) and the ratio. `--against REV` also runs each kvcompress
+cache built from its class as git revision REV had it (kvcompress/methods/kivi.py, eviction.py;
+kernels, dispatch and method configs stay current), taking turns with the current ones: a
+before/after of the cache classes under one machine load, which two runs on a shared machine
+are not. A second table times single calls of the pieces a step is made of (a plain op, slicing,
+the kernel entry points): on a GPU it shows what one custom-kernel launch costs the host.
 
 On a CPU the evaluation between steps runs on the same cores and leaves their caches cold: the
 first op built after a 4k-token attention was measured at ~40 us against ~1.3 us after a tiny
@@ -41,12 +46,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import types
+from pathlib import Path
 
 import kvcompress
 import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
@@ -93,11 +104,42 @@ def op_count(arrays: list[mx.array]) -> int:
         return f.read().count("shape=rectangle")
 
 
+CACHE_MODULES = {"KiviCache": "kvcompress/methods/kivi.py", "EvictionCache": "kvcompress/methods/eviction.py"}
+
+
+def classes_at(revision: str) -> dict[str, type]:
+    """The cache classes (KiviCache, EvictionCache) as git revision `revision` had them, loaded beside
+    the current ones (their imports resolve to the current package: kernels, dispatch and method
+    configs stay current)."""
+    root = Path(__file__).resolve().parents[1]
+    classes = {}
+    for name, path in CACHE_MODULES.items():
+        source = subprocess.check_output(["git", "show", f"{revision}:{path}"], cwd=root, text=True)
+        module = types.ModuleType(f"kvcompress.methods._{Path(path).stem}_at_{revision}")
+        module.__package__ = "kvcompress.methods"
+        sys.modules[module.__name__] = module  # dataclasses look their module up
+        current = getattr(mlx_cache, name)
+        exec(compile(source, f"{revision}:{path}", "exec"), module.__dict__)
+        setattr(mlx_cache, name, current)  # the module registered its class for load_prompt_cache: undo
+        classes[name] = getattr(module, name)
+    return classes
+
+
+def rebuilt(cache, classes: dict[str, type]):
+    """The same cache (same constructor arguments) from another version of its class."""
+    cls = classes[type(cache).__name__]
+    if type(cache).__name__ == "KiviCache":
+        return cls(cache.key_bits, cache.value_bits, cache.group_size, cache.residual, cache.residual_policy)
+    return cls(cache.config, cache.layer, cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.rope, cache.scale)
+
+
 class Run:
     """One cache decoding random tokens; `step()` returns the host microseconds of one step."""
 
-    def __init__(self, model, method: str, params: dict, context: int, dtype, seed: int):
+    def __init__(self, model, method: str, params: dict, context: int, dtype, seed: int, classes: dict | None = None):
         self.cache = KVCache() if method == "full" else kvcompress.make_cache(model, method, **params)[0]
+        if classes is not None:
+            self.cache = rebuilt(self.cache, classes)
         self.scale = HEAD_DIM**-0.5
         k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
         k = mx.random.normal((1, N_KV_HEADS, context, HEAD_DIM), key=k1).astype(dtype)
@@ -200,24 +242,33 @@ def main():
     parser.add_argument("--caches", nargs="+", default=list(CACHES), help=f"labels from {list(CACHES)}")
     parser.add_argument("--save", help="write the results as JSON here")
     parser.add_argument("--compare", help="a JSON file from --save (e.g. before a change): adds its column")
+    parser.add_argument("--against", metavar="REV", help="also run every kvcompress cache with its class as git "
+                        "revision REV had it, in the same turns (a before/after under one machine load)")
     args = parser.parse_args()
     gpu = mx.default_device() == mx.gpu
     dtype = mx.float16 if gpu else mx.float32
     print(f"mlx {mx.__version__}, {mx.default_device()}, {dtype}, context {args.context}, {args.steps} steps, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     model = one_layer_model()
+    classes = classes_at(args.against) if args.against else None
     runs = {}
     for i, label in enumerate(args.caches):
         start = time.perf_counter()
         method, params = CACHES[label]
         runs[label] = Run(model, method, params, args.context, dtype, seed=i)
+        if classes is not None and method != "full":
+            runs[f"{label} @ {args.against}"] = Run(model, method, params, args.context, dtype, seed=i, classes=classes)
         print(f"  {label}: prefilled in {time.perf_counter() - start:.1f} s", flush=True)
     for _ in range(args.warmup):
         for run in runs.values():
             run.step()
     ops = {label: run.ops() for label, run in runs.items()}
-    for _ in range(args.steps):  # taking turns
-        for run in runs.values():
+    # taking turns, in a new seeded order each round: the build after a step's evaluation is slower
+    # the more that evaluation touched (cold caches on a CPU), so no cache may always follow the same one
+    order, rng = list(runs.values()), random.Random(0)
+    for _ in range(args.steps):
+        rng.shuffle(order)
+        for run in order:
             run.times.append(run.step())
     results = {label: {"median_us": statistics.median(run.times), "mean_us": statistics.fmean(run.times),
                        "ops": ops[label]} for label, run in runs.items()}
@@ -235,6 +286,14 @@ def main():
             b = before.get(label)
             line += (f" {b['median_us']:.0f} | {b['ops']} | {b['median_us'] / r['median_us']:.2f} |" if b else " - | - | - |")
         print(line)
+    if classes is not None:
+        print(f"\n| cache | ops @ {args.against} | ops now | median us @ {args.against} | now | {args.against} / now |")
+        print("|---|---|---|---|---|---|")
+        for label, r in results.items():
+            b = results.get(f"{label} @ {args.against}")
+            if b:
+                print(f"| {label} | {b['ops']} | {r['ops']} | {b['median_us']:.0f} | {r['median_us']:.0f} "
+                      f"| {b['median_us'] / r['median_us']:.2f} |")
     blocks = building_blocks(dtype, args.steps)
     print("\n| building block | host us/call (median) |")
     print("|---|---|")

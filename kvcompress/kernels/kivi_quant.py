@@ -117,7 +117,7 @@ _BODY = """
             const long in_base = (outer * L + g * GROUP) * C + d;
             lo = static_cast<float>(x[in_base]);
             hi = lo;
-            for (int i = 1; i < GROUP; ++i) {
+            KQ_UNROLL for (int i = 1; i < GROUP; ++i) {  // unrolled: the GROUP loads are issued together
                 const float v = static_cast<float>(x[in_base + i * C]);
                 lo = FMIN(lo, v);
                 hi = FMAX(hi, v);
@@ -164,9 +164,9 @@ _BODY = """
         const KQ_DEVICE T* src = x + out_row * L + g * GROUP;
         lo = static_cast<float>(src[0]);
         hi = lo;
-        for (int i = 0; i < GROUP; i += VEC) {
+        KQ_UNROLL for (int i = 0; i < GROUP; i += VEC) {
             KQ_VEC_LOAD(src + i)
-            for (int k = 0; k < VEC; ++k) {
+            KQ_UNROLL for (int k = 0; k < VEC; ++k) {
                 const float v = static_cast<float>(buf[k]);
                 lo = FMIN(lo, v);
                 hi = FMAX(hi, v);

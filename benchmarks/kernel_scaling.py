@@ -103,16 +103,19 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("parts", nargs="*", default=["quant", "attn"], choices=["quant", "attn"])
+    parser.add_argument("parts", nargs="*", choices=["quant", "attn"], help="default: both")
     parser.add_argument("--old", nargs="*", default=[], help="older kivi_attention.py files to time beside the current kernel")
     parser.add_argument("--tiles", type=int, nargs="*", default=[], help="also time these tiles per block")
     parser.add_argument("--threads", type=int, nargs="*", default=[], help="also time these threads per block")
     parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 131072])
     args = parser.parse_args()
+    if not mx.cuda.is_available():
+        raise SystemExit("needs MLX's CUDA back-end and an NVIDIA GPU (these are mx.fast.cuda_kernel timings)")
     print(f"device {mx.default_device()}, MLX {mx.__version__}")
-    if "quant" in args.parts:
+    parts = args.parts or ["quant", "attn"]
+    if "quant" in parts:
         quant_table()
-    if "attn" in args.parts:
+    if "attn" in parts:
         attn_table(args.old, args.tiles, args.threads, args.contexts)
 
 

@@ -68,6 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launches", type=int, default=256)
     args = parser.parse_args()
+    if not mx.cuda.is_available():
+        raise SystemExit("needs MLX's CUDA back-end and an NVIDIA GPU (these are mx.fast.cuda_kernel timings)")
     n = args.launches
     one = dict(output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
 

@@ -103,7 +103,7 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("parts", nargs="*", choices=["quant", "attn"], help="default: both")
+    parser.add_argument("parts", nargs="*", help="quant and/or attn (default: both)")
     parser.add_argument("--old", nargs="*", default=[], help="older kivi_attention.py files to time beside the current kernel")
     parser.add_argument("--tiles", type=int, nargs="*", default=[], help="also time these tiles per block")
     parser.add_argument("--threads", type=int, nargs="*", default=[], help="also time these threads per block")
@@ -113,6 +113,8 @@ def main() -> None:
         raise SystemExit("needs MLX's CUDA back-end and an NVIDIA GPU (these are mx.fast.cuda_kernel timings)")
     print(f"device {mx.default_device()}, MLX {mx.__version__}")
     parts = args.parts or ["quant", "attn"]
+    if set(parts) - {"quant", "attn"}:
+        parser.error(f"parts: expected quant and/or attn, got {parts}")
     if "quant" in parts:
         quant_table()
     if "attn" in parts:

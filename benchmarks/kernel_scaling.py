@@ -109,12 +109,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="*", default=[], help="also time these threads per block")
     parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 131072])
     args = parser.parse_args()
-    if not mx.cuda.is_available():
-        raise SystemExit("needs MLX's CUDA back-end and an NVIDIA GPU (these are mx.fast.cuda_kernel timings)")
     print(f"device {mx.default_device()}, MLX {mx.__version__}")
     parts = args.parts or ["quant", "attn"]
     if set(parts) - {"quant", "attn"}:
         parser.error(f"parts: expected quant and/or attn, got {parts}")
+    if not mx.cuda.is_available():
+        raise SystemExit("needs MLX's CUDA back-end and an NVIDIA GPU (these are mx.fast.cuda_kernel timings)")
     if "quant" in parts:
         quant_table()
     if "attn" in parts:

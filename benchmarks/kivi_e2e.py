@@ -40,6 +40,12 @@ CACHES = {
     "streaming budget=0.5": ("streaming", {"budget": 0.5}),
     "h2o budget=0.5": ("h2o", {"budget": 0.5}),
     "keyformer budget=0.5": ("keyformer", {"budget": 0.5}),
+    "snapkv budget=0.5": ("snapkv", {"budget": 0.5}),
+    "pyramidkv budget=0.5": ("pyramidkv", {"budget": 0.5}),
+    "adakv budget=0.5": ("adakv", {"budget": 0.5}),
+    "tova budget=0.5": ("tova", {"budget": 0.5}),
+    "knorm budget=0.5": ("knorm", {"budget": 0.5}),
+    "random budget=0.5": ("random", {"budget": 0.5}),
 }
 
 

@@ -150,7 +150,7 @@ def test_dispatch_uses_the_fused_kernel_after_its_self_test(monkeypatch):
 def test_broken_kernel_source_falls_back_to_the_reference(monkeypatch):
     # a kernel that compiles but writes a wrong partial output: the self-test must catch it
     attr = "CUDA_ATTN_SOURCE" if GPU == "cuda" else "METAL_ATTN_SOURCE"
-    broken = getattr(kivi_attention, attr).replace("o_part[out_base * D + i] = red[i];", "o_part[out_base * D + i] = 0.5f * red[i];")
+    broken = getattr(kivi_attention, attr).replace("o_part[out_base * D + i] = sc[i];", "o_part[out_base * D + i] = 0.5f * sc[i];")
     assert broken != getattr(kivi_attention, attr)
     monkeypatch.setattr(kivi_attention, attr, broken)
     monkeypatch.setattr(kivi_attention, "_kernels", {})

@@ -141,3 +141,27 @@ def test_gpu_kernel_bit_exact(dtype):
                 want = quantize_pack_reference(x, bits, G, per_channel)
                 mx.eval(want)
             assert all(mx.array_equal(a, b).item() for a, b in zip(got, want)), (bits, G, per_channel, shape)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_reciprocal_code_rule_equals_division(bits):
+    # the kernels' KQ_CODE: multiply by the reciprocal, divide only within 1e-3 of a half-integer;
+    # restated in float32 numpy (IEEE, no FMA, like the GPU) it must give the division's codes
+    rng = np.random.default_rng(10 + bits)
+    levels = np.float32(2**bits - 1)
+    for dtype in (np.float16, np.float32):
+        x = (rng.standard_normal((4000, 32)) * rng.choice([1e-3, 1.0, 50.0], size=(4000, 1))).astype(dtype)
+        x[::7] = np.round(x[::7] * 4) / 4  # values on a coarse grid: many exact half-integer quotients
+        g = x.astype(np.float32)
+        lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+        s = ((hi - lo) / levels).astype(dtype).astype(np.float32)
+        ok = s > 0
+        inv = np.where(ok, np.float32(1) / np.where(ok, s, 1), 0).astype(np.float32)
+        d = (g - lo).astype(np.float32)
+        fast = (d * inv).astype(np.float32)
+        near_half = np.abs(fast - np.floor(fast) - np.float32(0.5)) < np.float32(1e-3)
+        exact = (d / np.where(ok, s, 1)).astype(np.float32)
+        rule = np.clip(np.rint(np.where(near_half, exact, fast)), 0, levels)
+        want = np.clip(np.rint(exact), 0, levels)
+        assert near_half.any()  # the fallback is exercised
+        assert np.array_equal(np.where(ok, rule, 0), np.where(ok, want, 0))

@@ -18,8 +18,12 @@ one rescale. A second tiny kernel combines the blocks. Inside a tile:
   Score = sum_d q_d * (z_d + s_d * c_d) = sum_d (q_d s_d) c_d + sum_d q_d z_d.
 - residual keys (full precision) are read directly in the same tile loop, so the residual joins
   the same softmax.
+- the warps' partial scores meet in shared memory behind one barrier (a slice per warp, summed in
+  warp order by the softmax), not one barrier per warp.
 - values: each thread owns 8 channels of the output and a 32-token slice of the tile; it reads the
   8 codes of a token as one piece, out_c += (p s) c + p z; residual values likewise in full precision.
+  Where the slice is all codes, the loads of 8 tokens are issued before any is used (a token-by-token
+  loop waited one memory latency per token: 96 -> 68-84 us per layer at 32k on the H200).
 Accumulation is float32 throughout; the query is pre-scaled by scale * log2(e) and exp2 is used.
 
 Supported: key/value bits 2, 4, 8 (3-bit codes straddle words: reference only), head_dim a multiple
@@ -126,6 +130,7 @@ _ATTN_BODY = """
     constexpr int NW = NT / 32;
     constexpr int TILE = 256;
     constexpr int DW = D / NW;
+    constexpr int DCH = DW < 8 ? DW : 8;
     constexpr int CG = D / 8;
     constexpr int TL = NT / CG;
     constexpr int TPL = TILE / TL;
@@ -150,8 +155,7 @@ _ATTN_BODY = """
     const int c0 = cg * 8;
 
     KV_SHARED float qs[D * M];
-    KV_SHARED float sc[M * TILE];
-    KV_SHARED float red[M * D];
+    KV_SHARED float sc[NW * M * TILE];  // partial scores, then probabilities (slice 0), then the output reduction
     KV_SHARED float run_max[M];
     KV_SHARED float run_sum[M];
     KV_SHARED float corr[M];
@@ -195,23 +199,26 @@ _ATTN_BODY = """
             const KV_DEVICE T* kzp = kz + row0 * kgrow + g;
             float zs[M];
             KV_UNROLL for (int m = 0; m < M; ++m) zs[m] = 0.0f;
-            KV_UNROLL for (int dd = 0; dd < DW; ++dd) {
-                const int d = warp * DW + dd;
-                const unsigned int w0 = kcp[dd * kwrow];
-                const unsigned int w1 = (KB == 8) ? kcp[dd * kwrow + 1] : 0u;
-                const float sk = static_cast<float>(ksp[dd * kgrow]);
-                const float zk = static_cast<float>(kzp[dd * kgrow]);
-                float a[M];
-                KV_UNROLL for (int m = 0; m < M; ++m) {
-                    const float qv = qs[d * M + m];
-                    a[m] = qv * sk;
-                    zs[m] += qv * zk;
-                }
-                KV_UNROLL for (int j = 0; j < 8; ++j) {
-                    const int bit = j * KB;
-                    const unsigned int code = ((bit < 32) ? (w0 >> (sh + bit)) : (w1 >> (bit - 32))) & KMASK;
-                    const float cf = CODE_TO_FLOAT(code);
-                    KV_UNROLL for (int m = 0; m < M; ++m) s[m][j] += a[m] * cf;
+            // channels DCH at a time: their loads are in flight together, and registers stay bounded
+            KV_NO_UNROLL for (int d0 = 0; d0 < DW; d0 += DCH) {
+                KV_UNROLL for (int dd = d0; dd < d0 + DCH; ++dd) {
+                    const int d = warp * DW + dd;
+                    const unsigned int w0 = kcp[dd * kwrow];
+                    const unsigned int w1 = (KB == 8) ? kcp[dd * kwrow + 1] : 0u;
+                    const float sk = static_cast<float>(ksp[dd * kgrow]);
+                    const float zk = static_cast<float>(kzp[dd * kgrow]);
+                    float a[M];
+                    KV_UNROLL for (int m = 0; m < M; ++m) {
+                        const float qv = qs[d * M + m];
+                        a[m] = qv * sk;
+                        zs[m] += qv * zk;
+                    }
+                    KV_UNROLL for (int j = 0; j < 8; ++j) {
+                        const int bit = j * KB;
+                        const unsigned int code = ((bit < 32) ? (w0 >> (sh + bit)) : (w1 >> (bit - 32))) & KMASK;
+                        const float cf = CODE_TO_FLOAT(code);
+                        KV_UNROLL for (int m = 0; m < M; ++m) s[m][j] += a[m] * cf;
+                    }
                 }
             }
             KV_UNROLL for (int m = 0; m < M; ++m) {
@@ -229,18 +236,12 @@ _ATTN_BODY = """
                 }
             }
         }
-        // sum the warps' partial scores; token lane*8+j lives at sc[m*TILE + j*32 + lane]
-        for (int w = 0; w < NW; ++w) {
-            if (warp == w) {
-                KV_UNROLL for (int m = 0; m < M; ++m) {
-                    KV_UNROLL for (int j = 0; j < 8; ++j) {
-                        const int idx = m * TILE + j * 32 + lane;
-                        sc[idx] = (w == 0 ? 0.0f : sc[idx]) + s[m][j];
-                    }
-                }
-            }
-            KV_BARRIER();
+        // each warp leaves its partial scores in its own slice (one barrier, not one per warp); the
+        // softmax adds the slices in warp order. Token lane*8+j of row m, warp w: sc[(w*M + m)*TILE + j*32 + lane]
+        KV_UNROLL for (int m = 0; m < M; ++m) {
+            KV_UNROLL for (int j = 0; j < 8; ++j) sc[(warp * M + m) * TILE + j * 32 + lane] = s[m][j];
         }
+        KV_BARRIER();
 
         // ---- online softmax: warp w owns rows w, w + NW, ...
         for (int m = warp; m < M; m += NW) {
@@ -249,7 +250,8 @@ _ATTN_BODY = """
             float tile_max = NEG_INF;
             KV_UNROLL for (int j = 0; j < 8; ++j) {
                 const int t = start + lane * 8 + j;
-                const float x = sc[m * TILE + j * 32 + lane];
+                float x = 0.0f;
+                for (int w = 0; w < NW; ++w) x += sc[(w * M + m) * TILE + j * 32 + lane];
                 v[j] = (t <= last) ? x : NEG_INF;
                 tile_max = FMAX(tile_max, v[j]);
             }
@@ -281,35 +283,70 @@ _ATTN_BODY = """
         const int vt0 = start + tl * TPL;
         const int vwi = (c0 * VB) / 32;
         const int vsh = (c0 * VB) % 32;
-        for (int i = 0; i < TPL; ++i) {
-            const int t = vt0 + i;
-            if (t >= T_total) break;
-            const int tk = tl * TPL + i;
-            const int pos = (tk % 8) * 32 + tk / 8;
-            float p[M];
-            KV_UNROLL for (int m = 0; m < M; ++m) p[m] = sc[m * TILE + pos];
-            if (t < nv) {
-                const long row = (long)bh * vcap + t;
-                const unsigned int w0 = vc[row * VWROW + vwi];
-                const unsigned int w1 = (VB == 8) ? vc[row * VWROW + vwi + 1] : 0u;
-                const float sv = static_cast<float>(vs[row * VGROW + c0 / G]);
-                const float zv = static_cast<float>(vz[row * VGROW + c0 / G]);
-                float ps[M];
-                KV_UNROLL for (int m = 0; m < M; ++m) {
-                    ps[m] = p[m] * sv;
-                    zacc[m] += p[m] * zv;
+        if (vt0 + TPL <= nv) {
+            // all of this thread's tokens are codes: load 8 tokens' words, scales and zeros before
+            // using any, so the loads are in flight together instead of one latency per token
+            const long row0 = (long)bh * vcap + vt0;
+            KV_UNROLL for (int i0 = 0; i0 < TPL; i0 += 8) {
+                unsigned int cw0[8];
+                unsigned int cw1[8];
+                float sv[8];
+                float zv[8];
+                KV_UNROLL for (int i = 0; i < 8; ++i) {
+                    const long row = row0 + i0 + i;
+                    cw0[i] = vc[row * VWROW + vwi];
+                    cw1[i] = (VB == 8) ? vc[row * VWROW + vwi + 1] : 0u;
+                    sv[i] = static_cast<float>(vs[row * VGROW + c0 / G]);
+                    zv[i] = static_cast<float>(vz[row * VGROW + c0 / G]);
                 }
-                KV_UNROLL for (int j = 0; j < 8; ++j) {
-                    const int bit = j * VB;
-                    const unsigned int code = ((bit < 32) ? (w0 >> (vsh + bit)) : (w1 >> (bit - 32))) & VMASK;
-                    const float cf = CODE_TO_FLOAT(code);
-                    KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
+                KV_UNROLL for (int i = 0; i < 8; ++i) {
+                    const int tk = tl * TPL + i0 + i;
+                    const int pos = (tk % 8) * 32 + tk / 8;
+                    float ps[M];
+                    KV_UNROLL for (int m = 0; m < M; ++m) {
+                        const float p = sc[m * TILE + pos];
+                        ps[m] = p * sv[i];
+                        zacc[m] += p * zv[i];
+                    }
+                    KV_UNROLL for (int j = 0; j < 8; ++j) {
+                        const int bit = j * VB;
+                        const unsigned int code = ((bit < 32) ? (cw0[i] >> (vsh + bit)) : (cw1[i] >> (bit - 32))) & VMASK;
+                        const float cf = CODE_TO_FLOAT(code);
+                        KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
+                    }
                 }
-            } else {
-                const long base = ((long)bh * trv + (t - nv)) * D + c0;
-                KV_UNROLL for (int j = 0; j < 8; ++j) {
-                    const float x = static_cast<float>(vr[base + j]);
-                    KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += p[m] * x;
+            }
+        } else {  // a tile with residual tokens or the cache's end: token by token
+            for (int i = 0; i < TPL; ++i) {
+                const int t = vt0 + i;
+                if (t >= T_total) break;
+                const int tk = tl * TPL + i;
+                const int pos = (tk % 8) * 32 + tk / 8;
+                float p[M];
+                KV_UNROLL for (int m = 0; m < M; ++m) p[m] = sc[m * TILE + pos];
+                if (t < nv) {
+                    const long row = (long)bh * vcap + t;
+                    const unsigned int w0 = vc[row * VWROW + vwi];
+                    const unsigned int w1 = (VB == 8) ? vc[row * VWROW + vwi + 1] : 0u;
+                    const float sv = static_cast<float>(vs[row * VGROW + c0 / G]);
+                    const float zv = static_cast<float>(vz[row * VGROW + c0 / G]);
+                    float ps[M];
+                    KV_UNROLL for (int m = 0; m < M; ++m) {
+                        ps[m] = p[m] * sv;
+                        zacc[m] += p[m] * zv;
+                    }
+                    KV_UNROLL for (int j = 0; j < 8; ++j) {
+                        const int bit = j * VB;
+                        const unsigned int code = ((bit < 32) ? (w0 >> (vsh + bit)) : (w1 >> (bit - 32))) & VMASK;
+                        const float cf = CODE_TO_FLOAT(code);
+                        KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
+                    }
+                } else {
+                    const long base = ((long)bh * trv + (t - nv)) * D + c0;
+                    KV_UNROLL for (int j = 0; j < 8; ++j) {
+                        const float x = static_cast<float>(vr[base + j]);
+                        KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += p[m] * x;
+                    }
                 }
             }
         }
@@ -331,14 +368,14 @@ _ATTN_BODY = """
             KV_UNROLL for (int m = 0; m < M; ++m) {
                 KV_UNROLL for (int j = 0; j < 8; ++j) {
                     const int idx = m * D + c0 + j;
-                    red[idx] = (w == 0 ? 0.0f : red[idx]) + acc[m][j];
+                    sc[idx] = (w == 0 ? 0.0f : sc[idx]) + acc[m][j];
                 }
             }
         }
         KV_BARRIER();
     }
     const long out_base = ((long)bh * nb + blk) * M;
-    for (int i = tid; i < M * D; i += NT) o_part[out_base * D + i] = red[i];
+    for (int i = tid; i < M * D; i += NT) o_part[out_base * D + i] = sc[i];
     if (tid < M) {
         stats[(out_base + tid) * 2] = run_max[tid];
         stats[(out_base + tid) * 2 + 1] = run_sum[tid];
@@ -376,6 +413,7 @@ CUDA_HEADER = """
 #define FMAX fmaxf
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define KV_UNROLL _Pragma("unroll")
+#define KV_NO_UNROLL _Pragma("unroll 1")
 #define KV_DEVICE
 // an integer below 2^23 as float without a conversion instruction (I2F issues at a fraction of the
 // FMA rate): OR it into the mantissa of 2^23, then subtract 2^23; exact
@@ -395,6 +433,7 @@ METAL_HEADER = """
 #define FMAX metal::fmax
 #define NEG_INF (-INFINITY)
 #define KV_UNROLL _Pragma("clang loop unroll(full)")
+#define KV_NO_UNROLL _Pragma("clang loop unroll(disable)")
 #define KV_DEVICE device
 #define CODE_TO_FLOAT(u) (as_type<float>(0x4B000000u | (u)) - 8388608.0f)
 """

@@ -1,0 +1,125 @@
+"""Where the KIVI kernels' time goes on a GPU: time per call against size, beside MLX's own ops on
+the same bytes. A fixed cost per call shows as time that does not grow with the size; a bandwidth
+limit as time that grows with it.
+
+1. quantize-and-pack of [N, 4096, 128] fp16 for N = 32 and 256 (32 and 256 MiB), both layouts, 2 and
+   4 bits, against `x * 1` (a read and a write of the same bytes) at the same size.
+2. fused decode attention (8 KV heads, 32 query heads, D 128, fp16, one decode row per query head)
+   at 8k / 32k / 128k tokens, against `mx.fast.scaled_dot_product_attention` on the full cache, per
+   layer; enough layers that their bytes are ~0.5 GiB or more (more than the GPU's L2 cache).
+   `--old FILE` times a second copy of kivi_attention.py (an older kernel source) beside it.
+
+Usage (a GPU with MLX CUDA): python benchmarks/kernel_scaling.py [quant] [attn] [--old FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvcompress.kernels import kivi_attention  # noqa: E402  (kvcompress first: it picks the CPU BLAS)
+import mlx.core as mx  # noqa: E402
+
+from kvcompress.kernels.kivi_quant import quantize_pack_kernel  # noqa: E402
+from kvcompress.methods.kivi import KiviCache  # noqa: E402
+from timing import median_eval_ms  # noqa: E402
+
+
+def quant_table() -> None:
+    print("\n## quantize-and-pack, [N, 4096, 128] fp16, G 32 (inputs rotate over >= 256 MiB)")
+    print("| N | MiB | op | bits | ms/call | GB/s (read + written) | x copy time |")
+    print("|---|---|---|---|---|---|---|")
+    for n in (32, 256):
+        count = max(2, 256 // n)
+        xs = [mx.random.normal((n, 4096, 128), key=mx.random.key(i)).astype(mx.float16) for i in range(count)]
+        mx.eval(xs)
+        size = xs[0].nbytes
+        copy_ms = median_eval_ms(lambda: [x * 1 for x in xs]) / count
+        print(f"| {n} | {size >> 20} | x * 1 | - | {copy_ms:.3f} | {2 * size / copy_ms / 1e6:.0f} | 1.00 |")
+        for bits in (2, 4):
+            moved = size + size * bits // 16 + 2 * 2 * (size // 2 // 32)
+            for layout, per_channel in (("per token", False), ("per channel", True)):
+                ms = median_eval_ms(lambda: [quantize_pack_kernel(x, bits, 32, per_channel, "cuda") for x in xs]) / count
+                print(f"| {n} | {size >> 20} | kivi {layout} | {bits} | {ms:.3f} | {moved / ms / 1e6:.0f} | {ms / copy_ms:.2f} |")
+
+
+def load_old(path: str):
+    spec = importlib.util.spec_from_file_location("kvcompress.kernels.kivi_attention_old", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], contexts: list[int]) -> None:
+    print("\n## decode attention per layer: 8 KV heads, 32 query heads, D 128, fp16, KIVI G 32, residual 128")
+    kernels = {"fused": kivi_attention}
+    for path in old_paths:
+        kernels[f"fused ({Path(path).stem})"] = load_old(path)
+    print("| tokens | cache | path | layers | us/layer | MiB/layer | GB/s | x full | rel. L2 vs qmm reference |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    scale = 128**-0.5
+    for T in contexts:
+        full_bytes = 2 * 8 * T * 128 * 2
+        layers = max(4, (512 << 20) // (full_bytes // 5))  # KIVI-2 is ~5x smaller than full
+        qs = [mx.random.normal((1, 32, 1, 128), key=mx.random.key(100 + i)).astype(mx.float16) for i in range(layers)]
+        full_layers = max(4, (1024 << 20) // full_bytes)
+        kv = [(mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i)).astype(mx.float16),
+               mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i + 1)).astype(mx.float16)) for i in range(full_layers)]
+        mx.eval(qs, kv)
+        full_us = 1e3 * median_eval_ms(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+                                                for q, (k, v) in zip(qs, kv)]) / full_layers
+        print(f"| {T} | full | SDPA | {full_layers} | {full_us:.1f} | {full_bytes / 2**20:.0f} | "
+              f"{full_bytes / full_us / 1e3:.0f} | 1.00 | - |")
+        for bits in (2, 4):
+            views, live = [], 0
+            for i in range(layers):
+                k, v = kv[i % full_layers]
+                cache = KiviCache(bits, bits, 32, 128)
+                cache.from_prefill(k[:, :, : T - 1], v[:, :, : T - 1], None)
+                views.append(cache.update_and_fetch(k[:, :, T - 1 :], v[:, :, T - 1 :]))
+                mx.eval(views[-1])
+                live += cache.live_kv_bytes
+            per_layer = live / layers
+            paths = [(name, module, None, module.THREADS) for name, module in kernels.items()]
+            paths += [(f"fused, {t} tiles/block", kivi_attention, t, kivi_attention.THREADS) for t in tiles]
+            paths += [(f"fused, {n} threads/block", kivi_attention, None, n) for n in threads]
+            for path, module, tpb, n_threads in paths:
+                default_threads, module.THREADS = module.THREADS, n_threads
+                us = 1e3 * median_eval_ms(lambda: [module.decode_attention_fused(q, *view, scale, False, bits, bits, 32, "cuda",
+                                                                                 tiles_per_block=tpb)
+                                                   for q, view in zip(qs, views)]) / layers
+                got = module.decode_attention_fused(qs[0], *views[0], scale, False, bits, bits, 32, "cuda", tiles_per_block=tpb)
+                module.THREADS = default_threads
+                want = kivi_attention.decode_attention_reference(qs[0], *views[0], scale, None, bits, bits, 32)
+                err = (mx.linalg.norm((got - want).astype(mx.float32)) / mx.linalg.norm(want.astype(mx.float32))).item()
+                print(f"| {T} | KIVI-{bits} | {path} | {layers} | {us:.1f} | {per_layer / 2**20:.1f} | "
+                      f"{per_layer / us / 1e3:.0f} | {full_us / us:.2f} | {err:.1e} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("parts", nargs="*", help="quant and/or attn (default: both)")
+    parser.add_argument("--old", nargs="*", default=[], help="older kivi_attention.py files to time beside the current kernel")
+    parser.add_argument("--tiles", type=int, nargs="*", default=[], help="also time these tiles per block")
+    parser.add_argument("--threads", type=int, nargs="*", default=[], help="also time these threads per block")
+    parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 131072])
+    args = parser.parse_args()
+    print(f"device {mx.default_device()}, MLX {mx.__version__}")
+    parts = args.parts or ["quant", "attn"]
+    if set(parts) - {"quant", "attn"}:
+        parser.error(f"parts: expected quant and/or attn, got {parts}")
+    if not mx.cuda.is_available():
+        raise SystemExit("needs MLX's CUDA back-end and an NVIDIA GPU (these are mx.fast.cuda_kernel timings)")
+    if "quant" in parts:
+        quant_table()
+    if "attn" in parts:
+        attn_table(args.old, args.tiles, args.threads, args.contexts)
+
+
+if __name__ == "__main__":
+    main()

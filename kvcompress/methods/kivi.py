@@ -132,7 +132,7 @@ class KiviCache(CompressedCache):
 
     def _append_values(self, new: tuple, n: int) -> None:
         """Write n new value rows after the used ones; grow by VALUE_ROWS_STEP spare rows when full
-        (a prefill allocates exactly), so a decode step writes one row in place."""
+        (a prefill allocates exactly), so decoding writes its codes in place (`_code_ahead`)."""
         used = self.n_values_quantized
         if self.values_packed is not None and used + n <= self.values_packed[0].shape[2]:
             for buffer, rows in zip(self.values_packed, new):

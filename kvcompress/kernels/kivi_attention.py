@@ -76,13 +76,16 @@ def used_keys(side: PackedSide, bits: int, group_size: int):
     return tuple(mx.contiguous(a) for a in (codes[..., : n * bits // 32], scales[..., : n // G], zeros[..., : n // G]))
 
 
-def used_values(side: PackedSide):
-    """The value codes of the first n_packed tokens, contiguous."""
+def used_values(side: PackedSide, contiguous: bool = True):
+    """The value codes of the first n_packed tokens: a contiguous copy, or views with
+    contiguous=False (CPU: MLX's CPU quantized_matmul reads the strided rows, and a decode step
+    then does not copy every value code)."""
     codes, scales, zeros = side.packed
     n = side.n_packed
     if codes.shape[-2] == n:
         return codes, scales, zeros
-    return tuple(mx.contiguous(a[..., :n, :]) for a in (codes, scales, zeros))
+    used = tuple(a[..., :n, :] for a in (codes, scales, zeros))
+    return tuple(mx.contiguous(a) for a in used) if contiguous else used
 
 
 def decode_attention_reference(queries, keys: PackedSide, values: PackedSide, scale: float, mask,
@@ -115,7 +118,8 @@ def decode_attention_reference(queries, keys: PackedSide, values: PackedSide, sc
     if values.residual.shape[2]:
         out = probs[..., n_v:] @ values.residual
     if n_v:
-        packed = mx.quantized_matmul(probs[..., :n_v], *used_values(values), transpose=False, group_size=G, bits=value_bits)
+        rows = used_values(values, contiguous=mx.default_device() != mx.cpu)
+        packed = mx.quantized_matmul(probs[..., :n_v], *rows, transpose=False, group_size=G, bits=value_bits)
         out = packed if out is None else out + packed
     return out.reshape(B, n_q, L, D)
 

@@ -141,7 +141,6 @@ _BODY = """
             }
             const T scale_t = static_cast<T>(FDIV(hi - lo, levels));
             const float s = static_cast<float>(scale_t);
-        const float inv = (s > 0.0f) ? FDIV(1.0f, s) : 0.0f;
             const float inv = (s > 0.0f) ? FDIV(1.0f, s) : 0.0f;
             KQ_UNROLL for (int i = 0; i < GROUP; ++i) {
                 float q = 0.0f;

@@ -95,8 +95,10 @@ class Keyformer(Eviction):
 
     def _tau_at(self, cache, query_positions):
         """tau at the query positions, [L, 1] (a float at a decode step's one query)."""
-        if cache.prompt_len is not None and query_positions.shape[0] == 1:
-            return self._step_tau(cache, cache.position - 1)  # a decode step's query is the newest token
+        newest = cache.position - 1
+        if query_positions.shape[0] == 1 and cache.prompt_len is not None and newest >= cache.prompt_len:
+            # a decode step: its one query is the newest token (prompt tiles keep the array path)
+            return self._step_tau(cache, newest)
         prompt_end = cache.prompt_len if cache.prompt_len is not None else 1 << 30
         return self.tau(query_positions - prompt_end)[:, None]
 

@@ -108,14 +108,17 @@ CACHE_MODULES = {"KiviCache": "kvcompress/methods/kivi.py", "EvictionCache": "kv
 
 
 def classes_at(revision: str) -> dict[str, type]:
-    """The cache classes (KiviCache, EvictionCache) as git revision `revision` had them, loaded beside
-    the current ones (their imports resolve to the current package: kernels, dispatch and method
-    configs stay current)."""
+    """The cache classes (KiviCache, EvictionCache) as git revision `revision` (or the tree in directory
+    `revision`) had them, loaded beside the current ones (their imports resolve to the current
+    package: kernels, dispatch and method configs stay current)."""
     root = Path(__file__).resolve().parents[1]
     classes = {}
     for name, path in CACHE_MODULES.items():
-        source = subprocess.check_output(["git", "show", f"{revision}:{path}"], cwd=root, text=True)
-        module = types.ModuleType(f"kvcompress.methods._{Path(path).stem}_at_{revision}")
+        if Path(revision).is_dir():  # a copy of an older tree (where no git history travels)
+            source = (Path(revision) / path).read_text()
+        else:
+            source = subprocess.check_output(["git", "show", f"{revision}:{path}"], cwd=root, text=True)
+        module = types.ModuleType(f"kvcompress.methods._{Path(path).stem}_at_{Path(revision).name}")
         module.__package__ = "kvcompress.methods"
         sys.modules[module.__name__] = module  # dataclasses look their module up
         current = getattr(mlx_cache, name)

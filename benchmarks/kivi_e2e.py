@@ -31,6 +31,7 @@ from mlx_lm.models import llama  # noqa: E402
 
 from kvcompress.kernels import dispatch  # noqa: E402
 from kvcompress.memory import live_kv_bytes  # noqa: E402
+from host_graph import classes_at, rebuilt  # noqa: E402
 
 CACHES = {
     "full": ("full", {}),
@@ -109,14 +110,19 @@ def decode_pipelined(model, caches, token, steps):
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def measure(model, label, method, params, T, steps, warmup):
+def make_caches(model, method, params, classes=None):
+    caches = kvcompress.make_cache(model, method, **params)
+    return caches if classes is None or method == "full" else [rebuilt(c, classes) for c in caches]
+
+
+def measure(model, label, method, params, T, steps, warmup, classes=None):
     # a throw-away run of this cache first: kernels compile and self-test outside the timings
-    warm = kvcompress.make_cache(model, method, **params)
+    warm = make_caches(model, method, params, classes)
     logits, _ = prefill(model, warm, list(range(2100)))
     decode_sync(model, warm, mx.argmax(logits[0, -1]), 2, 0)
     del warm, logits
     gc.collect()
-    caches = kvcompress.make_cache(model, method, **params)
+    caches = make_caches(model, method, params, classes)
     prompt = [int(t) for t in mx.random.randint(0, 128256, (T,), key=mx.random.key(T)).tolist()]
     dispatch.reset_paths()
     mx.reset_peak_memory()
@@ -138,7 +144,10 @@ def main():
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--caches", nargs="+", default=list(CACHES), help=f"labels from {list(CACHES)}")
     parser.add_argument("--skip", nargs="*", default=[], help="label@context pairs to skip, e.g. 'h2o budget=0.5@32768'")
+    parser.add_argument("--against", metavar="REV", help="also run every compressed cache with its class as git "
+                        "revision REV had it (host_graph.py's classes_at), in the same process: before/after ratios")
     args = parser.parse_args()
+    classes = classes_at(args.against) if args.against else None
     print("mlx", mx.__version__, mx.default_device(), f"{args.layers} layers, Llama-3.1-8B shape, fp16", flush=True)
     model = llama8b_shaped(args.layers)
     print(f"weights {sum(p.nbytes for _, p in __import__('mlx.utils').utils.tree_flatten(model.parameters())) / 2**30:.1f} GiB", flush=True)
@@ -148,13 +157,18 @@ def main():
               "| pipelined x full | KV MiB | prefill s | x full prefill | peak GiB | kernels |")
     for T in args.contexts:
         full = None
-        for label in args.caches:
+        runs = [(label, None) for label in args.caches]
+        if classes:
+            runs += [(label, args.against) for label in args.caches if label != "full"]
+        for label, revision in runs:
             if f"{label}@{T}" in args.skip:
                 continue
             method, params = CACHES[label]
             t = time.time()
             try:
-                r = measure(model, label, method, params, T, args.steps, args.warmup)
+                r = measure(model, label, method, params, T, args.steps, args.warmup, classes if revision else None)
+                if revision:
+                    r["label"] = label = f"{label} @ {revision}"
             except Exception as exc:  # report and go on: one device call should bring back every row it can
                 print(f"FAILED {label} @ {T}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 gc.collect()

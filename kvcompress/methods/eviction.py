@@ -28,15 +28,16 @@ short rows are padded with slots at position PAD, which no query ever sees.
 
 Memory layout. Keys, values, scores and positions live in buffers of `allocated >= length` slots;
 slots [0, length) are in use and the arrays methods read (`keys`, `scores`, ...) are views of them.
-A decode step writes its token into the buffers in place (MLX updates a buffer in place when nothing
-else references it; measured on CPU: a one-token scatter into a [32, 8192, 64] float32 buffer costs
-0.08 ms, the same scatter with a second reference alive 44 ms, a full copy), so:
+A decode step writes its token into the key and value buffers in place (MLX updates a buffer in
+place when nothing else references it; measured on CPU: a one-token scatter into a [32, 8192, 64]
+float32 buffer costs 0.08 ms, the same scatter with a second reference alive 44 ms, a full copy), so:
 - exact positions (one pass): the step that evicts a row's token leaves its slot `free`; the next
   step writes its token into that slot. Between steps a cache holds `capacity` tokens in
   `capacity + 1` slots; a step moves one token per row and the slots are in no particular order
   (attention, scores and protection go by true position; `kept_rows` sorts).
 - compact positions: eviction shifts and re-rotates every later key (O(n) by nature), as before.
 - "grow" methods append into spare room allocated GROW_STEP slots at a time (as mlx-lm's KVCache).
+- while decoding, key and value buffers are allocated in multiples of KV_ALIGN slots (see there).
 
 Save/load: `state` holds the arrays and one JSON string with everything else, so mlx-lm's
 `save_prompt_cache` writes it; mlx-lm's `load_prompt_cache` finds classes by name in
@@ -58,14 +59,21 @@ from mlx_lm.models.cache import create_attention_mask
 
 from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
+from ..kernels.decode_logits import decode_logits
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
 from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
-from .prompt_scores import accumulated_attention, folded_logits
+from .prompt_scores import accumulated_attention
 
 DECODE_MODES = ("accumulate", "replace", "fixed", "grow")
 POSITION_MODES = ("exact", "compact")
 PAD = 2**31 - 1  # position of a padding slot: after every query, so causally invisible
 GROW_STEP = 256  # slots a "grow" cache allocates at a time while decoding
+# Decoding, the key and value buffers hold a multiple of KV_ALIGN slots, and attention reads the
+# slots in use as a slice of them: MLX's CUDA SDPA runs a one-query step through cuDNN only for such
+# a slice (mlx-lm's KVCache allocates in 256-token steps), else through its own kernel, measured
+# 2.4-3.7x slower on the H200 at 16k slots (benchmarks/evict_decode_gpu.py). Spare slots are not
+# counted as held (`tokens_kept`, `live_kv_bytes`), as mlx-lm's own allocation steps are not.
+KV_ALIGN = 256
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,8 @@ def rope_rotations(rope, head_dim: int, count: int) -> tuple[mx.array, mx.array]
 class EvictionCache(CompressedCache):
     """One layer's eviction cache: mlx-lm's cache protocol plus `attention` and `from_prefill`."""
 
+    _async_free = False  # benchmarks/evict_decode_gpu.py times a step with a per-layer async_eval
+
     def __init__(self, config: Eviction, layer: int, n_layers: int, n_kv_heads: int, head_dim: int, rope, scale: float):
         self.config, self.layer, self.n_layers = config, layer, n_layers
         self.scorer = config.scoring()
@@ -247,8 +257,7 @@ class EvictionCache(CompressedCache):
         self._unscored = S
         self._new_keys = keys
         self._set_offset()
-        n = self.length
-        return self.keys.reshape(B, H, n, D), self.values.reshape(B, H, n, D)
+        return self.held_kv()
 
     def attention(self, queries, keys, values, scale, mask):
         """Attention of the S new queries over the kept tokens, then scoring and eviction."""
@@ -265,15 +274,24 @@ class EvictionCache(CompressedCache):
             return out
         decode = "grow" if self.config.decode == "grow" else self.scorer.decode
         masked = S > 1 or self.padded
+        if not masked:
+            # the output from the full cache's own fused kernel (slot order does not matter to an
+            # unmasked query); scoring methods compute this step's probabilities beside it. On the
+            # H200 the probs @ values matmul alone cost ~7x the fused kernel (evict_decode_gpu.py)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+            if decode in ("fixed", "grow"):  # nothing is scored from this step's attention
+                self._evict_down()
+                return out
         query_positions = None  # built only where used: every op costs host time, per layer per step
         if masked or decode == "accumulate":
             query_positions = mx.arange(self.position - S, self.position, dtype=mx.int32)
-        keys, values = self.keys, self.values
-        logits = folded_logits(q, keys, scale)  # [R, G, S, n]
+        logits = decode_logits(q, self._keys, n, scale)  # [R, G, S, n]
         if masked:
             logits = self._causal(logits, query_positions)
         probs = mx.softmax(logits, axis=-1, precise=True)
-        out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
+        if masked:
+            values = self.values
+            out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
         if decode == "accumulate":
             self._scores = self.scores + self._step_increments(q, new_keys, logits, probs, query_positions, scale)
         elif decode == "replace":
@@ -314,9 +332,11 @@ class EvictionCache(CompressedCache):
         return mx.where(mx.arange(self.length)[None] == self.free[:, None], PAD, self.positions)
 
     def held_kv(self) -> tuple[mx.array, mx.array]:
-        """Keys and values [B, H_kv, n, D] slot by slot, as attention sees them (exact positions)."""
-        R, n, D = self.keys.shape
-        return self.keys.reshape(self.batch, R // self.batch, n, D), self.values.reshape(self.batch, R // self.batch, n, D)
+        """Keys and values [B, H_kv, n, D] slot by slot, as attention sees them (exact positions):
+        views of the buffers [B, H_kv, allocated, D] (the slice SDPA's fast decode path needs)."""
+        R, allocated, D = self._keys.shape
+        shape = (self.batch, R // self.batch, allocated, D)
+        return self._keys.reshape(shape)[:, :, : self.length], self._values.reshape(shape)[:, :, : self.length]
 
     def kept_rows(self) -> list[np.ndarray]:
         """Original token positions each row holds, in temporal order, padding left out."""
@@ -385,7 +405,7 @@ class EvictionCache(CompressedCache):
         scorer = self.scorer
         sq = scorer.score_queries(self, q, new_keys)
         if sq is not q:
-            logits = self._causal(folded_logits(sq, self.keys, scale), query_positions)
+            logits = self._causal(decode_logits(sq, self._keys, self.length, scale), query_positions)
         noisy = scorer.transform(self, logits, query_positions, self.positions)
         if noisy is not logits or sq is not q:
             probs = mx.softmax(noisy, axis=-1, precise=True)
@@ -402,11 +422,15 @@ class EvictionCache(CompressedCache):
         if n == self.capacity + 1 and not self.padded:
             evict_by = self.config.evict_by(self, self.position - 1)
             if self.config.positions == "exact":
-                # one pass: nothing moves now; update_and_fetch writes the next token into this slot
+                # one pass: nothing moves now; update_and_fetch writes the next token into this slot.
+                # Left lazy: the next step's graph evaluates it, just before its write into the
+                # positions buffer that this choice reads, so MLX copies that [R, n] int32 buffer
+                # (keys and values stay in place). Starting it here with mx.async_eval avoided the
+                # copy but cost ~0.2 ms of host time per layer on the H200, up to 2x a step
+                # (benchmarks/evict_decode_gpu.py: "async_eval per layer")
                 self.free = evict_slot(evict_by, self.positions, self.config.n_sink, self._recent_start())
-                # start it now: left lazy, its reads of the positions buffer were still pending when
-                # the next step wrote into that buffer, and MLX then copied it (seen on CPU)
-                mx.async_eval(self.free)
+                if self._async_free:
+                    mx.async_eval(self.free)
                 return
             if self.rope_step is None:
                 cos, sin = rope_rotations(self.rope, self.head_dim, 2)
@@ -458,7 +482,8 @@ class EvictionCache(CompressedCache):
 
     def _store(self, keys, values, scores, positions):
         """Place S new tokens ([R, S, D] / [R, S]): the first into each row's free slot if there is
-        one, the rest after the slots in use. Each buffer is written once per step, in place."""
+        one, the rest after the slots in use. Each buffer is written once per step; keys and values
+        in place (see `_evict_down` for the small [R, n] arrays)."""
         if self._keys is None:
             self._set(keys, values, scores, positions)
             return
@@ -489,7 +514,9 @@ class EvictionCache(CompressedCache):
             spare = GROW_STEP
         else:
             spare = max(0, min(GROW_STEP, self.capacity + 1 - end))
-        self._keys, self._values, self._positions = (_room(a, start, end, spare) for a in (self._keys, self._values, self._positions))
+        align = 1 if self.prompt_len is None else KV_ALIGN
+        self._keys, self._values = (_room(a, start, end, spare, align) for a in (self._keys, self._values))
+        self._positions = _room(self._positions, start, end, spare)
         self._keys[:, start:end] = keys
         self._values[:, start:end] = values
         self._positions[:, start:end] = positions
@@ -546,12 +573,14 @@ class EvictionCache(CompressedCache):
             self.rope, self.window_queries, self._unscored, self._new_keys, self._zeros = None, None, 0, None, None
 
 
-def _room(a, start: int, end: int, spare: int):
+def _room(a, start: int, end: int, spare: int, align: int = 1):
     """Buffer `a` [R, allocated, ...] with room for slots [start, end): itself when it has it, else a
-    new one holding its first `start` slots (plus `spare` slots more for later steps)."""
+    new one holding its first `start` slots (plus `spare` slots more for later steps), its length
+    rounded up to a multiple of `align`."""
     if a.shape[1] >= end:
         return a
-    grown = mx.zeros((a.shape[0], end - start + spare, *a.shape[2:]), a.dtype)
+    allocated = -(-(end + spare) // align) * align
+    grown = mx.zeros((a.shape[0], allocated - start, *a.shape[2:]), a.dtype)
     return mx.concatenate([a[:, :start], grown], axis=1)
 
 

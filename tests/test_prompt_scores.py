@@ -51,3 +51,64 @@ def test_default_tiles_never_build_the_square_matrix(monkeypatch):
     square = R * G * T * T * 4  # 256 MiB of float32 probabilities
     assert mx.get_peak_memory() - base < square / 8
     np.testing.assert_allclose(np.array(scores).sum(), R * G * T, rtol=1e-4)
+
+
+def _keyformer_scorer_transform(T):
+    """Keyformer's transform as the eviction cache passes it during a T-token prefill."""
+    import mlx.nn as nn
+
+    from kvcompress.methods.eviction import EvictionCache
+    from kvcompress.methods.keyformer import Keyformer
+
+    config = Keyformer(budget=0.5, seed=5)
+    cache = EvictionCache(config, 3, 8, 2, 8, nn.RoPE(8), 8**-0.5)
+    cache.position = T
+
+    def transform(logits, query_positions, key_positions):
+        return config.transform(cache, logits, query_positions, key_positions[None])
+
+    return transform
+
+
+@pytest.mark.parametrize("transform", ["none", "keyformer_like", "keyformer"])
+@pytest.mark.parametrize("tile", [None, (7, 64), (5, 13), (64, 9), (1, 70)])
+def test_compiled_path_equals_plain_and_reference(monkeypatch, transform, tile):
+    # the GPU path (the per-element chain as one compiled kernel, row widths in steps) on the CPU's
+    # compiler: ragged query and key tiles, one pass ((7, 64): a tile's rows fit until they see more
+    # than 64 keys) and two passes, widths rounded past the visible keys and clamped to the prompt
+    monkeypatch.setattr(prompt_scores, "WIDTH_STEP", 16)
+    R, G, L, n = 2, 3, 50, 70
+    q, k = _inputs(R, G, L, n, 8, 11)
+    f = {"none": None, "keyformer_like": _keyformer_like, "keyformer": _keyformer_scorer_transform(n)}[transform]
+    want = np.array(accumulated_attention_reference(q, k, 0.35, f))
+    plain = np.array(accumulated_attention(q, k, 0.35, f, tile=tile, fused=False))
+    fused = np.array(accumulated_attention(q, k, 0.35, f, tile=tile, fused=True))
+    np.testing.assert_allclose(plain, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(fused, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(fused.sum(), R * G * L, rtol=1e-5)
+
+
+def test_default_tiles_one_pass_when_rows_fit_two_passes_when_not(monkeypatch):
+    assert prompt_scores.tile_shape(32, 2048, 32768, 1 << 24) == (16, 32768)  # 32k, Llama-3.1-8B: 16 rows
+    assert prompt_scores.tile_shape(32, 2048, 32768, 1 << 26) == (64, 32768)  # GPU budget
+    assert prompt_scores.tile_shape(32, 10, 100, 1 << 24) == (10, 100)  # a short chunk: one tile
+    assert prompt_scores.tile_shape(4, 300, 5000, 1 << 12) == (1, 2048)  # no row fits: key tiles
+    # a budget too small for one row: two passes over KEY_TILE keys, same numbers
+    monkeypatch.setattr(prompt_scores, "TILE_ELEMENTS", 4 * 40)
+    monkeypatch.setattr(prompt_scores, "KEY_TILE", 16)
+    q, k = _inputs(2, 2, 30, 70, 8, 2)
+    assert prompt_scores.tile_shape(4, 30, 70, 4 * 40) == (2, 16)
+    for f in (None, _keyformer_like):
+        np.testing.assert_allclose(np.array(accumulated_attention(q, k, 0.5, f)),
+                                   np.array(accumulated_attention_reference(q, k, 0.5, f)), rtol=2e-5, atol=2e-5)
+
+
+def test_half_precision_inputs_score_in_float32():
+    # the product runs in the model's dtype (as folded_logits), the softmax and the sums in float32
+    q, k = _inputs(2, 2, 40, 96, 16, 4)
+    q16, k16 = q.astype(mx.float16), k.astype(mx.float16)
+    for fused in (False, True):
+        scores = accumulated_attention(q16, k16, 0.25, _keyformer_like, tile=(8, 96), fused=fused)
+        assert scores.dtype == mx.float32
+        np.testing.assert_allclose(np.array(scores), np.array(accumulated_attention_reference(q16, k16, 0.25, _keyformer_like)),
+                                   rtol=1e-4, atol=1e-4)

@@ -12,15 +12,16 @@ GiB in float32). Instead the queries go in tiles of q rows (all query heads of a
   FlashAttention does for the output: over key tiles, each row's log-sum-exp lse_i of f(x_ij); then
   over the same key tiles, sum_i exp(f(x_ij) - lse_i) into the key scores.
 
-On a GPU the tile is bound by memory traffic, not arithmetic, so every op that reads and writes the
+On a GPU a tile is bound by memory traffic, not arithmetic, so every op that reads and writes the
 whole tile counts: the logits come out of one product already in [rows, keys] order (no transposing
 copy), and the cast to float32, f and the causal mask run as one compiled kernel (mx.compile of the
-chain with f inside; traced once per tile shape, so row widths grow in steps of WIDTH_STEP and a
-call traces a few shapes). A one-pass tile is then: product, that kernel, softmax, column sum.
-Tiles are evaluated asynchronously with at most two in flight: the host builds the next tile while
-the device runs the previous one (no host-device sync per tile), and scratch stays bounded (buffers
-are allocated when a tile is submitted, so an unbounded queue would hold every tile at once).
-Scratch: about three tile-sized float32 temporaries per tile in flight, plus the [R, n] scores.
+chain with f inside, per call; traced once per tile shape, so one-pass row widths grow in steps of
+WIDTH_STEP keys and a call traces a few shapes, not one per tile). A one-pass tile is then four
+kernels, each one pass over the tile in device memory: product, that chain, softmax, column sum.
+Tiles are evaluated asynchronously, one waited for as the next is submitted: the host builds a tile
+while the device runs the previous one (no host-device sync per tile), and scratch stays bounded
+(buffers are allocated when a tile is submitted: an unbounded queue would hold every tile at once).
+Scratch: about three tile-sized float32 temporaries for each of two tiles, plus the [R, n] scores.
 `accumulated_attention_reference` is the plain quadratic version the tests compare against.
 """
 
@@ -31,16 +32,14 @@ from typing import Callable
 import mlx.core as mx
 
 # Float32 logits per tile. CPU: 64 MiB, large enough that Python's per-op cost stays small against
-# the math. GPU: 256 MiB (about 1.5 GiB of scratch with two tiles in flight): at 32k a layer's
-# prompt is ~270 tiles, so per-tile host work (building ~6 ops, a compile-cache lookup) stays
-# under the device's time per tile; small next to a long prompt's KV cache.
+# the math. GPU: 256 MiB (~1.5 GiB of scratch at most): at 32k a layer's prompt is then ~270 tiles,
+# so the host's work per tile (a few ops, sometimes a trace) stays under the device's time per tile.
 TILE_ELEMENTS = 1 << 24
 GPU_TILE_ELEMENTS = 1 << 26
 KEY_TILE = 2048  # keys per tile when even one query's row does not fit the budget
 # Compiled path: one-pass row widths are rounded up to this many keys (at most the prompt; the
 # extra keys are causally masked), so a call retraces a few shapes rather than one per tile.
 WIDTH_STEP = 512
-IN_FLIGHT = 2  # tiles submitted and not yet waited for
 
 # f(logits [R, G, Lq, Tk], query_positions [Lq], key_positions [Tk]) -> transformed logits
 Transform = Callable[[mx.array, mx.array, mx.array], mx.array]
@@ -80,8 +79,9 @@ def accumulated_attention(
 
     queries [R, G, L, D] are the last L of the n key positions (query i sits at n - L + i);
     keys [R, n, D] are at positions 0..n-1. `tile` = (query rows, keys) per tile, or None to size
-    tiles to the element budget (TILE_ELEMENTS; GPU_TILE_ELEMENTS on a GPU). `fused` (default: on
-    a GPU) compiles the per-element chain (cast, transform, mask[, exp]) into one kernel per tile.
+    tiles to the element budget (TILE_ELEMENTS; GPU_TILE_ELEMENTS on a GPU); a query tile whose
+    queries see at most that many keys takes one pass. `fused` (default: on a GPU) compiles the
+    per-element chain (cast, transform, mask; exp in the second pass) into one kernel.
     """
     R, G, L, D = queries.shape
     n = keys.shape[1]
@@ -113,14 +113,14 @@ def accumulated_attention(
         logits = (q @ keys[:, k0:k1].swapaxes(1, 2)).reshape(R, G, q1 - q0, k1 - k0)
         return logits, mx.arange(first + q0, first + q1, dtype=mx.int32), mx.arange(k0, k1, dtype=mx.int32)
 
-    in_flight = []
+    submitted = []
 
     def submit(result):
-        # start evaluating this tile; wait for the oldest beyond IN_FLIGHT, so its scratch is freed
+        # start evaluating this tile, then wait for the one before it (whose scratch then frees)
         mx.async_eval(result)
-        in_flight.append(result)
-        if len(in_flight) > IN_FLIGHT:
-            mx.eval(in_flight.pop(0))
+        if submitted:
+            mx.eval(submitted.pop())
+        submitted.append(result)
 
     scores = mx.zeros((R, n), mx.float32)
     for q0 in range(0, L, q_tile):

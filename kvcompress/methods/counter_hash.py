@@ -22,6 +22,9 @@ def _gumbel_from(step: mx.array, key_positions: mx.array) -> mx.array:
     """step [R, G, L] stream-and-query hashes, key_positions [R or 1, n] -> Gumbel noise [R, G, L, n]."""
     h = mix(step[..., None] ^ key_positions.astype(mx.uint32)[:, None, None, :])
     u = ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    # the top 24-bit value, 2^24 - 0.5, rounds to 2^24 in float32: u = 1 would give zeta = +inf and
+    # a NaN softmax row (one draw in 2^24: every long Keyformer prompt), so it takes the float below 1
+    u = mx.minimum(u, 1.0 - 2.0**-24)
     return -mx.log(-mx.log(u))
 
 

@@ -192,7 +192,8 @@ def model_prefill(tokens: int, methods, old, new, reps: int) -> None:
     print("| method | full s | old s | new s | old/new | old/full | new/full |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for name in methods:
-        full_ms, old_ms, new_ms = interleaved_median_ms(prefill("full"), prefill(name, old), prefill(name, new), reps=reps)
+        full_ms, old_ms, new_ms = interleaved_median_ms(prefill("full"), prefill(name, old), prefill(name, new),
+                                                        reps=reps)
         print(f"| {name} | {full_ms / 1e3:.2f} | {old_ms / 1e3:.2f} | {new_ms / 1e3:.2f} | {old_ms / new_ms:.2f} | "
               f"{old_ms / full_ms:.2f} | {new_ms / full_ms:.2f} |", flush=True)
 

@@ -112,11 +112,11 @@ def test_half_precision_inputs_score_in_float32():
     for fused in (False, True):
         scores = accumulated_attention(q16, k16, 0.25, _keyformer_like, tile=(8, 96), fused=fused)
         assert scores.dtype == mx.float32
-        np.testing.assert_allclose(np.array(scores), np.array(accumulated_attention_reference(q16, k16, 0.25, _keyformer_like)),
-                                   rtol=1e-4, atol=1e-4)
+        want = accumulated_attention_reference(q16, k16, 0.25, _keyformer_like)
+        np.testing.assert_allclose(np.array(scores), np.array(want), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a CUDA or Metal GPU (the default path compiles only there)")
+@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a CUDA or Metal GPU (the default path compiles there)")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_gpu_default_path_equals_plain_and_reference(monkeypatch, dtype):
     # the GPU default: compiled chain, GPU tiles (shrunk here so a call takes several ragged tiles,

@@ -36,7 +36,8 @@ def _redrawn_from(stream: mx.array, query_positions: mx.array, key_positions: mx
 
 # The per-element chain is ~17 elementwise ops; on a GPU each would be a kernel reading and writing the
 # whole [R, G, L, n] tile (prompt scoring at 32k spent most of its time here). mx.compile fuses them
-# into one kernel (with the step hash before them: a decode step builds one op, not a dozen).
+# (with the step hash before them: a decode step builds a few ops, not a dozen); MLX fuses chains at
+# most 11 ops deep, so the element chain is two kernels with one [R, G, L, n] uint32 between them.
 # Integer hashing is exact either way; on the CPU MLX compiles with the system C++ compiler per
 # shape, which costs more than it saves, so the CPU keeps the plain chain.
 _gumbel_fused = mx.compile(_gumbel_from)

@@ -118,21 +118,23 @@ def test_half_precision_inputs_score_in_float32():
 
 @pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a CUDA or Metal GPU (the default path compiles there)")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_gpu_default_path_equals_plain_and_reference(monkeypatch, dtype):
-    # the GPU default: compiled chain, GPU tiles (shrunk here so a call takes several ragged tiles,
-    # one pass and two), row widths in WIDTH_STEP steps; Llama-3.1-8B head shape
+@pytest.mark.parametrize("tile", [None, (64, 1024)])
+def test_gpu_default_path_equals_plain_and_reference(monkeypatch, dtype, tile):
+    # the GPU default: compiled chain, row widths in WIDTH_STEP steps; None: GPU tiles shrunk so the
+    # call takes 45 one-pass tiles (the last ragged); (64, 1024): two passes over ragged key tiles.
+    # Llama-3.1-8B head shape.
     monkeypatch.setattr(prompt_scores, "GPU_TILE_ELEMENTS", 32 * 100 * 1024)
-    monkeypatch.setattr(prompt_scores, "KEY_TILE", 1024)
     R, G, L, n = 8, 4, 1500, 3000
     q, k = _inputs(R, G, L, n, 128, 9)
     q, k = q.astype(dtype), k.astype(dtype)
     for f in (None, _keyformer_scorer_transform(n)):
-        fused = np.array(accumulated_attention(q, k, 128**-0.5, f))
-        plain = np.array(accumulated_attention(q, k, 128**-0.5, f, fused=False))
+        fused = np.array(accumulated_attention(q, k, 128**-0.5, f, tile=tile))
+        plain = np.array(accumulated_attention(q, k, 128**-0.5, f, tile=tile, fused=False))
+        assert np.isfinite(fused).all()
         # the same half-precision logits both ways: float32 rounding apart
         np.testing.assert_allclose(fused, plain, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(fused.sum(), R * G * L, rtol=1e-4)
-        # the reference takes the product the other way round (keys @ q^T): logits may round to a
+        # the reference takes the product the other way round (keys @ q^T): a logit may round to a
         # neighbouring half-precision value, so only close
         want = np.array(accumulated_attention_reference(q, k, 128**-0.5, f))
         np.testing.assert_allclose(fused, want, rtol=2e-2, atol=2e-2)

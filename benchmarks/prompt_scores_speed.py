@@ -31,11 +31,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import kvcompress  # noqa: F401  (BLAS preload before mlx)
-import mlx.core as mx
-import mlx.nn as nn
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's kvcompress, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kvcompress  # noqa: E402  (BLAS preload before mlx)
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
 
 from kvcompress.methods import eviction, prompt_scores  # noqa: E402

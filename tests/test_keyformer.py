@@ -146,6 +146,16 @@ def test_fused_noise_matches_the_plain_chain():
     assert mx.allclose(fused, plain, rtol=1e-6, atol=1e-6).item()
 
 
+def test_noise_is_finite_at_the_top_hash_value():
+    # (seed 0, layer 0, head 0, query 83, key 5285) hashes to the top 24-bit value, whose u rounded
+    # to 1 in float32: zeta was +inf and that softmax row NaN. One draw in 2^24 does: a 2048-token
+    # prompt of the Llama-3.1-8B shape left NaN scores in 2-3 of a layer's 8 KV-head rows
+    heads = mx.zeros((1, 1), mx.uint32)
+    for fused in (False, True):
+        top = gumbel_noise(0, 0, heads, mx.array([83]), mx.array([[5285]]), fused=fused).item()
+        assert top == pytest.approx(-np.log(-np.log1p(-(2.0**-24))), rel=1e-4)  # u = 1 - 2^-24: ~16.6
+
+
 def test_decode_tau_on_the_host_is_the_array_tau_bit_for_bit():
     """A decode step computes tau on the host (no MLX ops); it must be the float32 value `tau` gives,
     and dividing by it the same division."""

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcompress.kernels import dispatch
 from kvcompress.methods import prompt_scores
 from kvcompress.methods.counter_hash import gumbel_noise
 from kvcompress.methods.prompt_scores import accumulated_attention, accumulated_attention_reference
@@ -49,5 +50,91 @@ def test_default_tiles_never_build_the_square_matrix(monkeypatch):
     scores = accumulated_attention(q, k, 0.25)
     mx.eval(scores)
     square = R * G * T * T * 4  # 256 MiB of float32 probabilities
-    assert mx.get_peak_memory() - base < square / 8
+    tile = R * G * 64 * T * 4  # one pass, 64 query rows (4 MiB): a few temporaries of two tiles at most
+    assert mx.get_peak_memory() - base < min(square / 8, 6 * tile)
     np.testing.assert_allclose(np.array(scores).sum(), R * G * T, rtol=1e-4)
+
+
+def _keyformer_scorer_transform(T):
+    """Keyformer's transform as the eviction cache passes it during a T-token prefill."""
+    import mlx.nn as nn
+
+    from kvcompress.methods.eviction import EvictionCache
+    from kvcompress.methods.keyformer import Keyformer
+
+    config = Keyformer(budget=0.5, seed=5)
+    cache = EvictionCache(config, 3, 8, 2, 8, nn.RoPE(8), 8**-0.5)
+    cache.position = T
+
+    def transform(logits, query_positions, key_positions):
+        return config.transform(cache, logits, query_positions, key_positions[None])
+
+    return transform
+
+
+@pytest.mark.parametrize("transform", ["none", "keyformer_like", "keyformer"])
+@pytest.mark.parametrize("tile", [None, (7, 64), (5, 13), (64, 9), (1, 70)])
+def test_compiled_path_equals_plain_and_reference(monkeypatch, transform, tile):
+    # the GPU path (the per-element chain as one compiled kernel, row widths in steps) on the CPU's
+    # compiler: ragged query and key tiles, one pass ((7, 64): a tile's rows fit until they see more
+    # than 64 keys) and two passes, widths rounded past the visible keys and clamped to the prompt
+    monkeypatch.setattr(prompt_scores, "WIDTH_STEP", 16)
+    R, G, L, n = 2, 3, 50, 70
+    q, k = _inputs(R, G, L, n, 8, 11)
+    f = {"none": None, "keyformer_like": _keyformer_like, "keyformer": _keyformer_scorer_transform(n)}[transform]
+    want = np.array(accumulated_attention_reference(q, k, 0.35, f))
+    plain = np.array(accumulated_attention(q, k, 0.35, f, tile=tile, fused=False))
+    fused = np.array(accumulated_attention(q, k, 0.35, f, tile=tile, fused=True))
+    np.testing.assert_allclose(plain, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(fused, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(fused.sum(), R * G * L, rtol=1e-5)
+
+
+def test_default_tiles_one_pass_when_rows_fit_two_passes_when_not(monkeypatch):
+    assert prompt_scores.tile_shape(32, 2048, 32768, 1 << 24) == (16, 32768)  # 32k, Llama-3.1-8B: 16 rows
+    assert prompt_scores.tile_shape(32, 2048, 32768, 1 << 26) == (64, 32768)  # GPU budget
+    assert prompt_scores.tile_shape(32, 10, 100, 1 << 24) == (10, 100)  # a short chunk: one tile
+    assert prompt_scores.tile_shape(4, 300, 5000, 1 << 12) == (1, 2048)  # no row fits: key tiles
+    # a budget too small for one row: two passes over KEY_TILE keys, same numbers
+    monkeypatch.setattr(prompt_scores, "TILE_ELEMENTS", 4 * 40)
+    monkeypatch.setattr(prompt_scores, "KEY_TILE", 16)
+    q, k = _inputs(2, 2, 30, 70, 8, 2)
+    assert prompt_scores.tile_shape(4, 30, 70, 4 * 40) == (2, 16)
+    for f in (None, _keyformer_like):
+        np.testing.assert_allclose(np.array(accumulated_attention(q, k, 0.5, f)),
+                                   np.array(accumulated_attention_reference(q, k, 0.5, f)), rtol=2e-5, atol=2e-5)
+
+
+def test_half_precision_inputs_score_in_float32():
+    # the product runs in the model's dtype (as folded_logits), the softmax and the sums in float32
+    q, k = _inputs(2, 2, 40, 96, 16, 4)
+    q16, k16 = q.astype(mx.float16), k.astype(mx.float16)
+    for fused in (False, True):
+        scores = accumulated_attention(q16, k16, 0.25, _keyformer_like, tile=(8, 96), fused=fused)
+        assert scores.dtype == mx.float32
+        want = accumulated_attention_reference(q16, k16, 0.25, _keyformer_like)
+        np.testing.assert_allclose(np.array(scores), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a CUDA or Metal GPU (the default path compiles there)")
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("tile", [None, (64, 1024)])
+def test_gpu_default_path_equals_plain_and_reference(monkeypatch, dtype, tile):
+    # the GPU default: compiled chain, row widths in WIDTH_STEP steps; None: GPU tiles shrunk so the
+    # call takes 45 one-pass tiles (the last ragged); (64, 1024): two passes over ragged key tiles.
+    # Llama-3.1-8B head shape.
+    monkeypatch.setattr(prompt_scores, "GPU_TILE_ELEMENTS", 32 * 100 * 1024)
+    R, G, L, n = 8, 4, 1500, 3000
+    q, k = _inputs(R, G, L, n, 128, 9)
+    q, k = q.astype(dtype), k.astype(dtype)
+    for f in (None, _keyformer_scorer_transform(n)):
+        fused = np.array(accumulated_attention(q, k, 128**-0.5, f, tile=tile))
+        plain = np.array(accumulated_attention(q, k, 128**-0.5, f, tile=tile, fused=False))
+        assert np.isfinite(fused).all()
+        # the same half-precision logits both ways: float32 rounding apart
+        np.testing.assert_allclose(fused, plain, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(fused.sum(), R * G * L, rtol=1e-4)
+        # the reference takes the product the other way round (keys @ q^T): a logit may round to a
+        # neighbouring half-precision value, so only close
+        want = np.array(accumulated_attention_reference(q, k, 128**-0.5, f))
+        np.testing.assert_allclose(fused, want, rtol=2e-2, atol=2e-2)

@@ -22,6 +22,9 @@ def _gumbel_from(step: mx.array, key_positions: mx.array) -> mx.array:
     """step [R, G, L] stream-and-query hashes, key_positions [R or 1, n] -> Gumbel noise [R, G, L, n]."""
     h = mix(step[..., None] ^ key_positions.astype(mx.uint32)[:, None, None, :])
     u = ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    # the top 24-bit value, 2^24 - 0.5, rounds to 2^24 in float32: u = 1 would give zeta = +inf and
+    # a NaN softmax row (one draw in 2^24: every long Keyformer prompt), so it takes the float below 1
+    u = mx.minimum(u, 1.0 - 2.0**-24)
     return -mx.log(-mx.log(u))
 
 
@@ -33,7 +36,8 @@ def _redrawn_from(stream: mx.array, query_positions: mx.array, key_positions: mx
 
 # The per-element chain is ~17 elementwise ops; on a GPU each would be a kernel reading and writing the
 # whole [R, G, L, n] tile (prompt scoring at 32k spent most of its time here). mx.compile fuses them
-# into one kernel (with the step hash before them: a decode step builds one op, not a dozen).
+# (with the step hash before them: a decode step builds a few ops, not a dozen); MLX fuses chains at
+# most 11 ops deep, so the element chain is two kernels with one [R, G, L, n] uint32 between them.
 # Integer hashing is exact either way; on the CPU MLX compiles with the system C++ compiler per
 # shape, which costs more than it saves, so the CPU keeps the plain chain.
 _gumbel_fused = mx.compile(_gumbel_from)

@@ -59,10 +59,9 @@ from mlx_lm.models.cache import create_attention_mask
 
 from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
-from ..kernels.decode_logits import decode_logits
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
 from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
-from .prompt_scores import accumulated_attention
+from .prompt_scores import accumulated_attention, folded_logits
 
 DECODE_MODES = ("accumulate", "replace", "fixed", "grow")
 POSITION_MODES = ("exact", "compact")
@@ -285,7 +284,7 @@ class EvictionCache(CompressedCache):
         query_positions = None  # built only where used: every op costs host time, per layer per step
         if masked or decode == "accumulate":
             query_positions = mx.arange(self.position - S, self.position, dtype=mx.int32)
-        logits = decode_logits(q, self._keys, n, scale)  # [R, G, S, n]
+        logits = folded_logits(q, self.keys, scale)  # [R, G, S, n]
         if masked:
             logits = self._causal(logits, query_positions)
         probs = mx.softmax(logits, axis=-1, precise=True)
@@ -405,7 +404,7 @@ class EvictionCache(CompressedCache):
         scorer = self.scorer
         sq = scorer.score_queries(self, q, new_keys)
         if sq is not q:
-            logits = self._causal(decode_logits(sq, self._keys, self.length, scale), query_positions)
+            logits = self._causal(folded_logits(sq, self.keys, scale), query_positions)
         noisy = scorer.transform(self, logits, query_positions, self.positions)
         if noisy is not logits or sq is not q:
             probs = mx.softmax(noisy, axis=-1, precise=True)

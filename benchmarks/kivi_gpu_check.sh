@@ -15,7 +15,9 @@ for part in $parts; do
   start=$(date +%s)
   case $part in
     tests)
-      python3 -m pytest -q -p no:cacheprovider --noconftest -rs tests/test_kivi_attention.py tests/test_kivi_quant.py tests/test_evict_gpu.py tests/test_evict.py \
+      # true float32 matmuls (conftest.py says why; --noconftest skips it)
+      MLX_ENABLE_TF32=0 python3 -m pytest -q -p no:cacheprovider --noconftest -rs tests/test_kivi_attention.py tests/test_kivi_quant.py \
+        tests/test_evict_gpu.py tests/test_evict.py tests/test_eviction.py tests/test_prompt_scores.py tests/test_keyformer.py \
         tests/test_dispatch.py -k "not run_config" --durations=12 2>&1 | tee "$out/tests.log" ;;
     attn|decode|bandwidth|step)
       python3 benchmarks/kivi_gpu.py "$part" 2>&1 | tee "$out/kivi_gpu_$part.log" ;;

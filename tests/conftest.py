@@ -11,6 +11,10 @@ import pytest
 # Before anything imports prefect or datasets: no network, an isolated Prefect home and API.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# MLX's CUDA back-end runs float32 matmuls in TF32 (10-bit mantissa) unless told not to; the tests
+# compare float32 caches against float64 references and rank near-ties, so they need true float32
+# (on the H200 four test_eviction cases failed with TF32 and passed without it)
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 _prefect_home = Path(tempfile.mkdtemp(prefix="kvcompress-prefect-"))
 
 from kvcompress_flows.local_server import free_port  # noqa: E402  (imports nothing of Prefect)

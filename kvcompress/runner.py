@@ -85,7 +85,7 @@ def sample_fingerprint(sample: dict) -> str:
 
 def run_config(context: RunContext, sample: dict, method: Method, protocol: str = "query_aware") -> dict[str, Any]:
     """The full configuration of one run: what its id hashes and its `config` column holds."""
-    return {
+    config = {
         "model": context.model,
         "model_fingerprint": context.model_fingerprint,
         "dataset": context.dataset,
@@ -96,6 +96,9 @@ def run_config(context: RunContext, sample: dict, method: Method, protocol: str 
         "decode_steps": context.decode_steps,
         "protocol": protocol,
     }
+    if method.revision:  # see Method.revision
+        config["method_revision"] = method.revision
+    return config
 
 
 class RecordingKVCache(KVCache):

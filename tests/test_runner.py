@@ -182,3 +182,17 @@ def test_budget_keeps_its_unit_one_token_is_not_the_whole_prompt(embedded):
     assert one.run["config_label"] == "knorm budget=1" and whole.run["config_label"] == "knorm budget=1.0"
     assert full.run["budget"] is None and full.run["budget_tokens"] is None
     assert pyramid.run["budget_tokens"] == round(0.5 * pyramid.run["prompt_tokens"])  # mean over layers
+
+
+def test_a_method_revision_changes_only_that_methods_run_ids():
+    # Keyformer's revision 1 (the noise fix) is in its run config, so its old runs are recomputed;
+    # a method never revised keeps the config, hence the run id, it always had
+    from kvcompress.results import run_id
+    from kvcompress.runner import run_config
+
+    context = RunContext("smollm2-135m", "fp", "lm", {"context_tokens": 64}, 4)
+    sample = {"id": "s0", "task": "lm", "context": "a b c", "question": "", "answers": []}
+    keyformer = run_config(context, sample, method_config("keyformer", budget=0.5))
+    h2o = run_config(context, sample, method_config("h2o", budget=0.5))
+    assert keyformer["method_revision"] == 1 and "method_revision" not in h2o
+    assert run_id(keyformer) != run_id({k: v for k, v in keyformer.items() if k != "method_revision"})

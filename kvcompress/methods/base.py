@@ -45,6 +45,10 @@ class Method:
     name: ClassVar[str] = ""
     # Set by methods whose `from_prefill` needs the prompt's post-RoPE queries.
     needs_queries: ClassVar[bool] = False
+    # Bumped when a fix changes what this method computes for the same config: the run config
+    # (hence the run id) carries it when nonzero, so a resumed sweep recomputes the method's old
+    # runs instead of skipping them (ids of methods never bumped stay as they were).
+    revision: ClassVar[int] = 0
 
     def make_cache(self, model) -> list:
         """One cache per transformer layer, usable as mlx-lm's `prompt_cache`."""

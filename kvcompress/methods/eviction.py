@@ -273,12 +273,16 @@ class EvictionCache(CompressedCache):
             return out
         decode = "grow" if self.config.decode == "grow" else self.scorer.decode
         masked = S > 1 or self.padded
-        if not masked:
-            # the output from the full cache's own fused kernel (slot order does not matter to an
-            # unmasked query); scoring methods compute this step's probabilities beside it. On the
-            # H200 the probs @ values matmul alone cost ~7x the fused kernel (evict_decode_gpu.py)
+        scored = decode in ("accumulate", "replace")  # scores from this step's probabilities
+        # The output from the full cache's own fused kernel (slot order does not matter to an
+        # unmasked query), scoring methods computing the probabilities beside it; on the H200 the
+        # probs @ values matmul below cost ~7x SDPA (benchmarks/evict_decode_gpu.py). On a CPU, SDPA
+        # is the same matmuls, so a scoring method would compute q K^T twice (1.6x a step,
+        # measured): there the probabilities give the output.
+        fused = not masked and (not scored or mx.default_device() == mx.gpu)
+        if fused:
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-            if decode in ("fixed", "grow"):  # nothing is scored from this step's attention
+            if not scored:
                 self._evict_down()
                 return out
         query_positions = None  # built only where used: every op costs host time, per layer per step
@@ -288,7 +292,7 @@ class EvictionCache(CompressedCache):
         if masked:
             logits = self._causal(logits, query_positions)
         probs = mx.softmax(logits, axis=-1, precise=True)
-        if masked:
+        if not fused:
             values = self.values
             out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
         if decode == "accumulate":

@@ -51,31 +51,43 @@ def dump(path: str) -> None:
 
 
 def compare(before_path: str, after_path: str) -> int:
-    before, after = json.load(open(before_path)), json.load(open(after_path))
+    """Runs are matched by config label (a method revision changes a run's id, not its label); per
+    run and column: how many values differ and, for numbers, the largest absolute difference."""
+    before, after = (_by_label(json.load(open(p))) for p in (before_path, after_path))
     if before.keys() != after.keys():
-        print("different run ids (a changed configuration or sample)")
+        print(f"different runs: {sorted(before.keys() ^ after.keys())}")
         return 1
     differ = 0
-    for run_id, a in before.items():
-        b = after[run_id]
-        label = a["run"].get("config_label", run_id)
-        for column in sorted((set(a["run"]) | set(b["run"])) - TIMINGS):
+    for label, a in before.items():
+        b = after[label]
+        if a["run"]["run_id"] != b["run"]["run_id"]:
+            print(f"id {label}: run id {a['run']['run_id']} -> {b['run']['run_id']} (configuration changed)")
+        changes: dict[str, list] = {}
+        for column in sorted((set(a["run"]) | set(b["run"])) - TIMINGS - {"run_id", "config"}):
             x, y = a["run"].get(column), b["run"].get(column)
             if x != y:
                 kind = "measured" if column in MEASURED else "RESULT"
                 differ += kind == "RESULT"
                 print(f"{kind} {label}: runs.{column} {x} -> {y}")
-        for i, (x, y) in enumerate(zip(a["steps"], b["steps"])):
-            for column in sorted(set(x) | set(y)):
+        for x, y in zip(a["steps"], b["steps"]):
+            for column in sorted((set(x) | set(y)) - {"run_id"}):
                 if x.get(column) != y.get(column):
-                    differ += 1
-                    print(f"RESULT {label}: steps[{i}].{column} {x.get(column)} -> {y.get(column)}")
+                    changes.setdefault(column, []).append((x.get(column), y.get(column)))
+        for column, pairs in changes.items():
+            differ += len(pairs)
+            numeric = [abs(p - q) for p, q in pairs if isinstance(p, (int, float)) and isinstance(q, (int, float))]
+            largest = f", largest |difference| {max(numeric):.3g}" if numeric else ""
+            print(f"RESULT {label}: steps.{column} differs in {len(pairs)} of {len(a['steps'])} rows{largest}")
         if len(a["steps"]) != len(b["steps"]) or a["evidence"] != b["evidence"]:
             differ += 1
             print(f"RESULT {label}: step count or evidence rows differ")
     steps = sum(len(v["steps"]) for v in before.values())
     print(f"{len(before)} runs, {steps} step rows: {differ} result values differ")
     return 1 if differ else 0
+
+
+def _by_label(dumped: dict) -> dict:
+    return {v["run"].get("config_label", run_id): v for run_id, v in dumped.items()}
 
 
 if __name__ == "__main__":

@@ -500,3 +500,16 @@ def test_drop_in_cache_knows_the_generation_length_for_keyformers_schedule(tiny_
     assert caches[0].config.anneal_steps == 10
     assert kvcompress.make_cache(tiny_llama, "keyformer", max_tokens=10, anneal_steps=3)[0].config.anneal_steps == 3
     assert kvcompress.make_cache(tiny_llama, "h2o", max_tokens=10)[0].config == method_config("h2o")
+
+
+def test_room_rounds_the_allocation_up_and_keeps_the_slots_in_use():
+    # on CUDA a decoding cache's key/value buffers grow in KV_ALIGN steps (cuDNN's decode SDPA
+    # needs a slice of such a buffer); the slots in use are kept, the rest is zero room
+    from kvcompress.methods.eviction import KV_ALIGN, _room
+
+    a = mx.arange(2 * 5 * 3, dtype=mx.float32).reshape(2, 5, 3)
+    grown = _room(a, 5, 6, 0, KV_ALIGN)
+    assert grown.shape == (2, KV_ALIGN, 3)
+    assert mx.array_equal(grown[:, :5], a).item() and not mx.any(grown[:, 5:]).item()
+    assert _room(a, 5, 6, 10).shape == (2, 16, 3)  # unaligned: exactly end + spare
+    assert _room(grown, 6, 7, 0, KV_ALIGN) is grown  # room left: the same buffer

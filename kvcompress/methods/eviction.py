@@ -37,7 +37,7 @@ float32 buffer costs 0.08 ms, the same scatter with a second reference alive 44 
   (attention, scores and protection go by true position; `kept_rows` sorts).
 - compact positions: eviction shifts and re-rotates every later key (O(n) by nature), as before.
 - "grow" methods append into spare room allocated GROW_STEP slots at a time (as mlx-lm's KVCache).
-- while decoding, key and value buffers are allocated in multiples of KV_ALIGN slots (see there).
+- while decoding on CUDA, key and value buffers are allocated in multiples of KV_ALIGN slots (see there).
 
 Save/load: `state` holds the arrays and one JSON string with everything else, so mlx-lm's
 `save_prompt_cache` writes it; mlx-lm's `load_prompt_cache` finds classes by name in
@@ -67,11 +67,11 @@ DECODE_MODES = ("accumulate", "replace", "fixed", "grow")
 POSITION_MODES = ("exact", "compact")
 PAD = 2**31 - 1  # position of a padding slot: after every query, so causally invisible
 GROW_STEP = 256  # slots a "grow" cache allocates at a time while decoding
-# Decoding, the key and value buffers hold a multiple of KV_ALIGN slots, and attention reads the
-# slots in use as a slice of them: MLX's CUDA SDPA runs a one-query step through cuDNN only for such
-# a slice (mlx-lm's KVCache allocates in 256-token steps), else through its own kernel, measured
-# 2.4-3.7x slower on the H200 at 16k slots (benchmarks/evict_decode_gpu.py). Spare slots are not
-# counted as held (`tokens_kept`, `live_kv_bytes`), as mlx-lm's own allocation steps are not.
+# Decoding on MLX's CUDA back-end, the key and value buffers hold a multiple of KV_ALIGN slots, and
+# attention reads the slots in use as a slice of them: MLX's CUDA SDPA runs a one-query step through
+# cuDNN only for such a slice (mlx-lm's KVCache allocates in 256-token steps), else through its own
+# kernel, measured 2.7x slower on the H200 at 16k slots (benchmarks/EVICTION_GPU_NOTES.md). Spare
+# slots are not counted as held (`tokens_kept`, `live_kv_bytes`), as mlx-lm's allocation steps are not.
 KV_ALIGN = 256
 
 
@@ -273,12 +273,16 @@ class EvictionCache(CompressedCache):
             return out
         decode = "grow" if self.config.decode == "grow" else self.scorer.decode
         masked = S > 1 or self.padded
-        if not masked:
-            # the output from the full cache's own fused kernel (slot order does not matter to an
-            # unmasked query); scoring methods compute this step's probabilities beside it. On the
-            # H200 the probs @ values matmul alone cost ~7x the fused kernel (evict_decode_gpu.py)
+        scored = decode in ("accumulate", "replace")  # scores from this step's probabilities
+        # The output from the full cache's own fused kernel (slot order does not matter to an
+        # unmasked query), scoring methods computing the probabilities beside it; on the H200 the
+        # probs @ values matmul below cost ~7x SDPA (benchmarks/evict_decode_gpu.py). On a CPU, SDPA
+        # is the same matmuls, so a scoring method would compute q K^T twice (1.6x a step,
+        # measured): there the probabilities give the output.
+        fused = not masked and (not scored or mx.default_device() == mx.gpu)
+        if fused:
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-            if decode in ("fixed", "grow"):  # nothing is scored from this step's attention
+            if not scored:
                 self._evict_down()
                 return out
         query_positions = None  # built only where used: every op costs host time, per layer per step
@@ -288,7 +292,7 @@ class EvictionCache(CompressedCache):
         if masked:
             logits = self._causal(logits, query_positions)
         probs = mx.softmax(logits, axis=-1, precise=True)
-        if masked:
+        if not fused:
             values = self.values
             out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
         if decode == "accumulate":
@@ -513,7 +517,7 @@ class EvictionCache(CompressedCache):
             spare = GROW_STEP
         else:
             spare = max(0, min(GROW_STEP, self.capacity + 1 - end))
-        align = 1 if self.prompt_len is None else KV_ALIGN
+        align = KV_ALIGN if self.prompt_len is not None and _on_cuda() else 1
         self._keys, self._values = (_room(a, start, end, spare, align) for a in (self._keys, self._values))
         self._positions = _room(self._positions, start, end, spare)
         self._keys[:, start:end] = keys
@@ -570,6 +574,12 @@ class EvictionCache(CompressedCache):
             setattr(self, field, value)
         if not hasattr(self, "rope"):  # restored by from_state: no model here
             self.rope, self.window_queries, self._unscored, self._new_keys, self._zeros = None, None, 0, None, None
+
+
+def _on_cuda() -> bool:
+    """Whether MLX runs on its CUDA back-end, where KV_ALIGN pays (elsewhere spare slots would only
+    cost memory)."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def _room(a, start: int, end: int, spare: int, align: int = 1):

@@ -1,0 +1,88 @@
+"""One eviction decode step, the EvictionCache of git revision REV against the current one, in one process.
+
+Layers of random keys and values (default: the embedded SmolLM2-135M's shape: 30 layers, 3 KV heads,
+9 query heads, D 64, float32 on the default device), each cache holding `n` tokens as after a slightly
+longer prompt; the two versions take turns step by step (so a change in the machine's load hits
+both alike), 3 warm-up steps then the median of `--steps`. Prints before/after (> 1: faster now).
+
+    python benchmarks/evict_step_ab.py --against 46240b4 --tokens 2048 --methods streaming h2o tova keyformer
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from host_graph import classes_at  # noqa: E402
+
+from kvcompress.methods import eviction, method_config  # noqa: E402
+
+
+def ready(cls, method: str, n: int, layers: int, H: int, G: int, D: int, dtype):
+    cfg = method_config(method, budget=n)
+    rope = nn.RoPE(D, base=100000.0)
+    caches = []
+    for layer in range(layers):
+        c = cls(cfg, layer, layers, H, D, rope, D**-0.5)
+        T = n + 64  # over the budget: selection runs once, then every step evicts
+        keys, values = (mx.random.normal((H, T, D)).astype(dtype) for _ in range(2))
+        positions = mx.broadcast_to(mx.arange(T, dtype=mx.int32), (H, T))
+        c.batch, c.position = 1, T
+        scorer = c.scorer
+        score = scorer.score_new(c, keys, positions) if scorer.decode == "fixed" else mx.random.uniform(shape=(H, T))
+        c._set(keys, values, score, positions)
+        if scorer.window():
+            c.window_queries = mx.random.normal((H, G, scorer.window(), D)).astype(dtype)
+        c._complete_prompt()
+        caches.append(c)
+    mx.eval([c.state[:4] for c in caches])
+    return caches
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", required=True, metavar="REV", help="git revision (or a tree's directory)")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--methods", nargs="+", default=["streaming", "h2o", "tova", "keyformer", "snapkv"])
+    parser.add_argument("--shape", type=int, nargs=4, default=[30, 3, 3, 64], metavar=("LAYERS", "H_KV", "GROUP", "D"))
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--steps", type=int, default=22)
+    args = parser.parse_args()
+    layers, H, G, D = args.shape
+    dtype = getattr(mx, args.dtype)
+    old = classes_at(args.against)["EvictionCache"]
+    k = mx.random.normal((1, H, 1, D)).astype(dtype)
+    q = mx.random.normal((1, H * G, 1, D)).astype(dtype)
+    mx.eval(k, q)
+
+    def step(caches):
+        x = q
+        for c in caches:
+            keys, values = c.update_and_fetch(k, k)
+            x = c.attention(x, keys, values, scale=D**-0.5, mask=None)
+        mx.eval(x)
+
+    print(f"mlx {mx.__version__} {mx.default_device()}, {layers} layers, {H} KV heads x {G}, D {D}, {args.dtype}, n {args.tokens}")
+    for method in args.methods:
+        runs = {"before": ready(old, method, args.tokens, layers, H, G, D, dtype),
+                "after": ready(eviction.EvictionCache, method, args.tokens, layers, H, G, D, dtype)}
+        times = {name: [] for name in runs}
+        for i in range(3 + args.steps):
+            for name, caches in runs.items():
+                start = time.perf_counter()
+                step(caches)
+                if i >= 3:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        before, after = statistics.median(times["before"]), statistics.median(times["after"])
+        print(f"{method:<10} before {before:8.2f} ms  after {after:8.2f} ms  before/after {before / after:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -54,8 +54,8 @@ class Keyformer(Eviction):
 
     name = "keyformer"
     needs_queries = True
-    # 1: the Gumbel draw u = 1 (one hash value in 2^24) gave +inf noise and NaN scores in some
-    # rows of most prompts over ~2k tokens; runs from before the fix are recomputed, not skipped
+    # 1: the Gumbel draw u = 1 (one hash value in 2^24) gave +inf noise and NaN scores in the rows
+    # it fell in (several per prompt from ~1k tokens); runs from before the fix are recomputed
     revision = 1
     budget: int | float = 0.6
     recent: int | float = 0.3

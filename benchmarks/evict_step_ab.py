@@ -19,31 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
+from evict_decode_gpu import ready_caches  # noqa: E402
 from host_graph import classes_at  # noqa: E402
 
-from kvcompress.methods import eviction, method_config  # noqa: E402
-
-
-def ready(cls, method: str, n: int, layers: int, H: int, G: int, D: int, dtype):
-    cfg = method_config(method, budget=n)
-    rope = nn.RoPE(D, base=100000.0)
-    caches = []
-    for layer in range(layers):
-        c = cls(cfg, layer, layers, H, D, rope, D**-0.5)
-        T = n + 64  # over the budget: selection runs once, then every step evicts
-        keys, values = (mx.random.normal((H, T, D)).astype(dtype) for _ in range(2))
-        positions = mx.broadcast_to(mx.arange(T, dtype=mx.int32), (H, T))
-        c.batch, c.position = 1, T
-        scorer = c.scorer
-        score = scorer.score_new(c, keys, positions) if scorer.decode == "fixed" else mx.random.uniform(shape=(H, T))
-        c._set(keys, values, score, positions)
-        if scorer.window():
-            c.window_queries = mx.random.normal((H, G, scorer.window(), D)).astype(dtype)
-        c._complete_prompt()
-        caches.append(c)
-    mx.eval([c.state[:4] for c in caches])
-    return caches
+from kvcompress.methods import eviction  # noqa: E402
 
 
 def main():
@@ -71,8 +50,8 @@ def main():
 
     print(f"mlx {mx.__version__} {mx.default_device()}, {layers} layers, {H} KV heads x {G}, D {D}, {args.dtype}, n {args.tokens}")
     for method in args.methods:
-        runs = {"before": ready(old, method, args.tokens, layers, H, G, D, dtype),
-                "after": ready(eviction.EvictionCache, method, args.tokens, layers, H, G, D, dtype)}
+        runs = {name: ready_caches(method, args.tokens, layers, H, G, D, dtype, cls)
+                for name, cls in (("before", old), ("after", eviction.EvictionCache))}
         times = {name: [] for name in runs}
         for i in range(3 + args.steps):
             for name, caches in runs.items():

@@ -187,8 +187,6 @@ def rope_rotations(rope, head_dim: int, count: int) -> tuple[mx.array, mx.array]
 class EvictionCache(CompressedCache):
     """One layer's eviction cache: mlx-lm's cache protocol plus `attention` and `from_prefill`."""
 
-    _async_free = False  # benchmarks/evict_decode_gpu.py times a step with a per-layer async_eval
-
     def __init__(self, config: Eviction, layer: int, n_layers: int, n_kv_heads: int, head_dim: int, rope, scale: float):
         self.config, self.layer, self.n_layers = config, layer, n_layers
         self.scorer = config.scoring()
@@ -276,7 +274,7 @@ class EvictionCache(CompressedCache):
         scored = decode in ("accumulate", "replace")  # scores from this step's probabilities
         # The output from the full cache's own fused kernel (slot order does not matter to an
         # unmasked query), scoring methods computing the probabilities beside it; on the H200 the
-        # probs @ values matmul below cost ~7x SDPA (benchmarks/evict_decode_gpu.py). On a CPU, SDPA
+        # probs @ values matmul below cost ~7x SDPA (benchmarks/EVICTION_GPU_NOTES.md). On a CPU, SDPA
         # is the same matmuls, so a scoring method would compute q K^T twice (1.6x a step,
         # measured): there the probabilities give the output.
         fused = not masked and (not scored or mx.default_device() == mx.gpu)
@@ -432,8 +430,6 @@ class EvictionCache(CompressedCache):
                 # copy but cost ~0.2 ms of host time per layer on the H200, up to 2x a step
                 # (benchmarks/evict_decode_gpu.py: "async_eval per layer")
                 self.free = evict_slot(evict_by, self.positions, self.config.n_sink, self._recent_start())
-                if self._async_free:
-                    mx.async_eval(self.free)
                 return
             if self.rope_step is None:
                 cos, sin = rope_rotations(self.rope, self.head_dim, 2)

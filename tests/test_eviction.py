@@ -482,6 +482,11 @@ def test_every_cache_round_trips_through_mlx_lm_save_and_load(tiny_llama, name, 
     model = tiny_llama
     params = {"full": {}, "mlx-quant": dict(group_size=32), "kivi": dict(residual=32)}.get(name)
     cfg = method_config(name, **params) if params is not None else small(name, 20)
+    if name == "mlx-quant":
+        try:
+            cfg.make_cache(model)
+        except ConfigError as missing:  # MLX 0.32.4 on CUDA (the H200) lacks its kernels: test_methods
+            pytest.skip(str(missing))
     path = str(tmp_path / "cache.safetensors")
     for load in (load_prompt_cache, lambda p: kvcompress.load_prompt_cache(p, model)):
         caches, token = _decoded(model, cfg)

@@ -49,6 +49,28 @@ def test_bad_config_names_field_and_allowed_values(name, params, fragment):
         method_config(name, **params)
 
 
+def test_mlx_quant_on_a_device_without_its_kernels_fails_before_any_work(embedded, monkeypatch):
+    """MLX 0.32.4's CUDA back-end has no quantized_matmul for mlx-lm's quantized attention shapes
+    (measured on the H200: "No implementation for problem shape"). Here the CPU has them, so the
+    check passes; with MLX's failure forced, make_cache names the method and the missing kernel."""
+    from kvcompress.methods import mlx_quant
+
+    model, _ = embedded
+    assert len(method_config("mlx-quant").make_cache(model)) == len(model.layers)
+
+    def unsupported(*args, **kwargs):
+        raise ValueError("[quantized_matmul] No implementation for problem shape")
+
+    monkeypatch.setattr(mlx_quant.mx, "quantized_matmul", unsupported)
+    mlx_quant.quantized_attention_error.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"mlx-quant: this device's mx.quantized_matmul .*bits 4, group_size 64.*"
+                                              r"No implementation for problem shape; 'kivi' runs here"):
+            method_config("mlx-quant").make_cache(model)
+    finally:
+        mlx_quant.quantized_attention_error.cache_clear()
+
+
 def test_run_id_json_is_canonical():
     a = method_config("streaming", budget=64, n_sink=2)
     b = method_config("streaming", n_sink=2, budget=64)

@@ -41,7 +41,8 @@ def test_tiled_equals_untiled(R, G, n, queries, q_tile, k_tile, noisy, seed):
 
 
 def test_default_tiles_never_build_the_square_matrix(monkeypatch):
-    monkeypatch.setattr(prompt_scores, "TILE_ELEMENTS", 1 << 20)  # 4 MiB tiles
+    monkeypatch.setattr(prompt_scores, "TILE_ELEMENTS", 1 << 20)  # 4 MiB tiles (CPU budget)
+    monkeypatch.setattr(prompt_scores, "GPU_TILE_ELEMENTS", 1 << 20)  # and the GPU's
     R, G, T = 2, 2, 4096
     q, k = _inputs(R, G, T, T, 16, 0)
     mx.eval(q, k)

@@ -7,7 +7,9 @@ affine formula. KIVI (kivi.py) differs: keys per channel, a full-precision resid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
 from ..attention import attention_geometry
@@ -33,4 +35,34 @@ class MlxQuant(Method):
             raise ConfigError(
                 f"mlx-quant.group_size: expected a divisor of the model's head_dim {head_dim}, got {self.group_size}"
             )
+        dtype = _activation_dtype(model)
+        missing = quantized_attention_error(head_dim, self.bits, self.group_size, dtype, str(mx.default_device()))
+        if missing:
+            # MLX 0.32's CUDA back-end lacks these kernels (measured on the H200): say so before any work
+            raise ConfigError(
+                f"mlx-quant: this device's mx.quantized_matmul cannot run mlx-lm's quantized attention "
+                f"(bits {self.bits}, group_size {self.group_size}, {dtype}): {missing}; 'kivi' runs here"
+            )
         return [QuantizedKVCache(group_size=self.group_size, bits=self.bits) for _ in model.layers]
+
+
+def _activation_dtype(model) -> mx.Dtype:
+    proj = model.layers[0].self_attn.k_proj
+    weight = getattr(proj, "scales", proj.weight)  # a quantized model's float dtype is its scales'
+    return weight.dtype
+
+
+@lru_cache(maxsize=None)
+def quantized_attention_error(head_dim: int, bits: int, group_size: int, dtype: mx.Dtype, device: str) -> str | None:
+    """None when `mx.quantized_matmul` runs the two products of mlx-lm's quantized attention on the
+    default device (one query and a prompt chunk, over an odd token count), else MLX's error."""
+    tokens = mx.zeros((1, 1, 67, head_dim), dtype)
+    keys = values = mx.quantize(tokens, group_size=group_size, bits=bits)  # [1, 1, 67, D] packed
+    try:
+        for rows in (1, 8):
+            q = mx.zeros((1, 1, rows, head_dim), dtype)
+            scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)  # [.., rows, 67]
+            mx.eval(mx.quantized_matmul(scores, *values, transpose=False, group_size=group_size, bits=bits))
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+    return None

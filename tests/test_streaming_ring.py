@@ -74,7 +74,8 @@ class Layer:
         outs = []
         for c in (self.ring, self.kernel):
             keys, values = c.update_and_fetch(k, v)
-            outs.append(c.attention(q, keys, values, scale=self.D**-0.5, mask=c.make_mask(S, return_array=True) if S > 1 else None))
+            mask = c.make_mask(S, return_array=True) if S > 1 else None
+            outs.append(c.attention(q, keys, values, scale=self.D**-0.5, mask=mask))
         assert mx.array_equal(*outs).item()
         assert_same(self.ring, self.kernel)
 
@@ -87,13 +88,15 @@ def test_ring_equals_kernel_path_step_by_step(n_sink, B, prompt):
     layer.feed(prompt - 1)  # drop-in: the prompt, then its last token alone
     layer.feed()
     ring = layer.ring
-    for step in range(60):
+    for _ in range(60):
         layer.feed()
         if ring.length == ring.capacity + 1:  # evicting: the host knows the free slot
             assert isinstance(ring.free, int) and not isinstance(layer.kernel.free, int)
             assert np.all(np.array(layer.kernel.free) == ring.free)
     assert isinstance(ring.free, int)
-    layer.feed(5)  # a multi-token call mid-decode selects again (slots sorted): the ring is derived anew
+    # a multi-token call mid-decode selects again, keeping slots in slot order (so the oldest token
+    # is in no particular slot): the ring is derived anew
+    layer.feed(5)
     assert ring.free is None
     for _ in range(20):
         layer.feed()
@@ -125,7 +128,8 @@ def test_ring_writes_every_buffer_in_place():
     addresses = []
     for _ in range(10):
         layer.feed()
-        addresses.append([np.asarray(a).__array_interface__["data"][0] for a in (c._keys, c._values, c._positions, c._scores)])
+        buffers = (c._keys, c._values, c._positions, c._scores)
+        addresses.append([np.asarray(a).__array_interface__["data"][0] for a in buffers])
     assert all(a == addresses[1] for a in addresses[1:])
 
 

@@ -82,7 +82,7 @@ class Layer:
 
 @pytest.mark.parametrize("n_sink", [0, 1, 4])
 @pytest.mark.parametrize("B", [1, 2])
-@pytest.mark.parametrize("prompt", [40, 10])  # a budget of 16 below the prompt, and above it (fills up first)
+@pytest.mark.parametrize("prompt", [40, 10, 3])  # a budget of 16 below the prompt, above it (fills up first)
 def test_ring_equals_kernel_path_step_by_step(n_sink, B, prompt):
     layer = Layer(16, n_sink, B=B, seed=n_sink + 10 * B + prompt)
     layer.feed(prompt - 1)  # drop-in: the prompt, then its last token alone
@@ -103,16 +103,21 @@ def test_ring_equals_kernel_path_step_by_step(n_sink, B, prompt):
     assert isinstance(ring.free, int)
 
 
-def test_ring_falls_back_to_the_kernel_where_rows_differ():
-    # rows holding their slots in different orders (as a loaded state might): no single slot to
-    # evict, so the ring is refused once and the kernel path runs, with the same results
+@pytest.mark.parametrize("state", ["rows differ", "scores differ"])
+def test_ring_falls_back_to_the_kernel_where_it_does_not_hold(state):
+    # states the ring cannot serve (as a loaded file might hold): rows with their slots in different
+    # orders (no one slot to evict), scores that are not the positions. The ring is refused once
+    # and the kernel path runs, with the same results
     layer = Layer(12, 2, H=2, seed=3)
     layer.feed(29)
     layer.feed()
     for c in (layer.ring, layer.kernel):
-        order = mx.array([[0, 1, *range(2, 12)], [0, 1, *range(11, 1, -1)]])  # row 1: non-sink slots reversed
-        take = lambda a: mx.take_along_axis(a, order[..., None] if a.ndim == 3 else order, axis=1)  # noqa: E731
-        c._set(take(c.keys), take(c.values), take(c.scores), take(c.positions))
+        if state == "rows differ":
+            order = mx.array([[0, 1, *range(2, 12)], [0, 1, *range(11, 1, -1)]])  # row 1: non-sink slots reversed
+            take = lambda a: mx.take_along_axis(a, order[..., None] if a.ndim == 3 else order, axis=1)  # noqa: E731
+            c._set(take(c.keys), take(c.values), take(c.scores), take(c.positions))
+        else:
+            c._set(c.keys, c.values, c.scores + 0.5, c.positions)
     for _ in range(15):
         layer.feed()
     assert layer.ring._ring_checked and layer.ring._ring is None

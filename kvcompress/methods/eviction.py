@@ -211,7 +211,9 @@ class EvictionCache(CompressedCache):
         # the slot whose token the last step evicted (exact positions): [R] int32, or an int where
         # it is the same slot in every row (the ring, see _ring_slot)
         self.free = None
-        self._ring, self._ring_checked = None, False  # see _ring_slot
+        # StreamingLLM's ring: the non-sink slots, the oldest token's first (a deque of ints, or None:
+        # not derived) and whether it was checked since the last selection or load (see _ring_slot)
+        self._ring, self._ring_checked = None, False
         self.batch = 0
         self.position = 0  # true position of the next token
         self.offset = 0  # where mlx-lm rotates the next token: position (exact) or n (compact)
@@ -500,7 +502,7 @@ class EvictionCache(CompressedCache):
         if not ((positions == row).all() and len(np.unique(row)) == len(row)
                 and (scores == positions.astype(np.float32)).all()):
             return None
-        return deque(int(slot) for slot in np.argsort(row) if row[slot] >= self.config.n_sink)
+        return deque(int(slot) for slot in np.argsort(row) if row[slot] >= self.config.n_sink)  # n - n_sink slots
 
     def _select(self, capacity: int, step: int):
         """Keep the protected tokens and the top-ranked rest, `capacity` per row, in slot order."""

@@ -140,7 +140,8 @@ def test_exact_decode_step_writes_one_token_per_row_and_reports_every_slot(name)
     drive.prefill()
     c = drive.cache
     for p in range(T, T + 12):
-        keys_before, free = np.array(c.keys), None if c.free is None else np.array(c.free)
+        # the free slot per row ([R] array, or one int for every row: StreamingLLM's ring)
+        keys_before, free = np.array(c.keys), None if c.free is None else np.broadcast_to(np.array(c.free), (3,))
         drive.feed(p)
         keys_after = np.array(c.keys)[:, : keys_before.shape[1]]
         changed = np.nonzero(np.any(keys_after != keys_before, axis=-1))

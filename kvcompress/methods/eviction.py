@@ -35,6 +35,11 @@ float32 buffer costs 0.08 ms, the same scatter with a second reference alive 44 
   step writes its token into that slot. Between steps a cache holds `capacity` tokens in
   `capacity + 1` slots; a step moves one token per row and the slots are in no particular order
   (attention, scores and protection go by true position; `kept_rows` sorts).
+  StreamingLLM (`score_is_position`) evicts the oldest non-sink token, the same slot in every row of
+  an unpadded cache: the non-sink slots in a ring, oldest first. The host derives the ring once (one
+  read of positions and scores, checked) and then advances it as Python ints, so a step writes with
+  slice assignments and runs no `evict_slot`, index arrays or arange/astype; padded caches, compact
+  positions and every other method keep the kernel path.
 - compact positions: eviction shifts and re-rotates every later key (O(n) by nature), as before.
 - "grow" methods append into spare room allocated GROW_STEP slots at a time (as mlx-lm's KVCache).
 - while decoding on CUDA, key and value buffers are allocated in multiples of KV_ALIGN slots (see there).
@@ -49,6 +54,7 @@ compact-position caches need for a multi-token call after loading.
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -85,6 +91,10 @@ class Eviction(Method):
     n_sink = 0  # protected first tokens
     positions = "exact"
     decode: ClassVar[str] = "accumulate"
+    # A token's "fixed" score is its true position (StreamingLLM), so the lowest-ranked unprotected
+    # token is always the oldest one: an exact-position cache then evicts in ring order, tracked on
+    # the host (EvictionCache._ring_slot), and writes a new token's score as a Python float.
+    score_is_position: ClassVar[bool] = False
 
     def __post_init__(self):
         n = self.name
@@ -187,6 +197,8 @@ def rope_rotations(rope, head_dim: int, count: int) -> tuple[mx.array, mx.array]
 class EvictionCache(CompressedCache):
     """One layer's eviction cache: mlx-lm's cache protocol plus `attention` and `from_prefill`."""
 
+    ring_order = True  # False on an instance: StreamingLLM takes the kernel path (tests, benchmarks)
+
     def __init__(self, config: Eviction, layer: int, n_layers: int, n_kv_heads: int, head_dim: int, rope, scale: float):
         self.config, self.layer, self.n_layers = config, layer, n_layers
         self.scorer = config.scoring()
@@ -196,7 +208,12 @@ class EvictionCache(CompressedCache):
         self._scores = None  # [R, allocated] float32 (None once a "grow" method has selected)
         self._positions = None  # [R, allocated] int32 true positions (PAD for padding slots)
         self.length = 0  # slots in use per row
-        self.free = None  # [R] int32 (exact positions): the slot whose token the last step evicted
+        # the slot whose token the last step evicted (exact positions): [R] int32, or an int where
+        # it is the same slot in every row (the ring, see _ring_slot)
+        self.free = None
+        # StreamingLLM's ring: the non-sink slots, the oldest token's first (a deque of ints, or None:
+        # not derived) and whether it was checked since the last selection or load (see _ring_slot)
+        self._ring, self._ring_checked = None, False
         self.batch = 0
         self.position = 0  # true position of the next token
         self.offset = 0  # where mlx-lm rotates the next token: position (exact) or n (compact)
@@ -238,17 +255,22 @@ class EvictionCache(CompressedCache):
         B, H, S, D = keys.shape
         R = B * H
         self.batch = B
-        positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
         keys, values = keys.reshape(R, S, D), values.reshape(R, S, D)
-        if self.prompt_len is not None and self.config.decode == "grow":
-            scores = None  # appended, never evicted
-        elif self.scorer.decode == "fixed":
-            scores = self.scorer.score_new(self, keys, positions)
-        elif S == 1 and self.free is not None:  # a one-pass decode step: the token goes into the free slot
-            # "replace": this step's attention replaces every score anyway
-            scores = None if self.scorer.decode == "replace" else self._zero_score(R)
+        if S == 1 and isinstance(self.free, int):  # a decode step into the ring's slot (see _ring_slot)
+            # Python scalars, so the step builds no arange / astype (each op costs host time per layer,
+            # and each a kernel launch on a GPU); score_is_position: score_new's value, the same float32
+            positions, scores = self.position, float(self.position)
         else:
-            scores = mx.zeros((R, S), mx.float32)
+            positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
+            if self.prompt_len is not None and self.config.decode == "grow":
+                scores = None  # appended, never evicted
+            elif self.scorer.decode == "fixed":
+                scores = self.scorer.score_new(self, keys, positions)
+            elif S == 1 and self.free is not None:  # a one-pass decode step: the token goes into the free slot
+                # "replace": this step's attention replaces every score anyway
+                scores = None if self.scorer.decode == "replace" else self._zero_score(R)
+            else:
+                scores = mx.zeros((R, S), mx.float32)
         self._store(keys, values, scores, positions)
         self.position += S
         self._unscored = S
@@ -330,7 +352,8 @@ class EvictionCache(CompressedCache):
         """True positions [B * H_kv, n] of the slots, in the order of `held_kv` (PAD: a padding or free slot)."""
         if self.free is None:
             return self.positions
-        return mx.where(mx.arange(self.length)[None] == self.free[:, None], PAD, self.positions)
+        free = self.free if isinstance(self.free, int) else self.free[:, None]
+        return mx.where(mx.arange(self.length)[None] == free, PAD, self.positions)
 
     def held_kv(self) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H_kv, n, D] slot by slot, as attention sees them (exact positions):
@@ -421,6 +444,9 @@ class EvictionCache(CompressedCache):
         if self.config.decode == "grow" or n <= self.capacity:
             return
         if n == self.capacity + 1 and not self.padded:
+            if self.config.positions == "exact" and (slot := self._ring_slot()) is not None:
+                self.free = slot  # no device work: update_and_fetch writes the next token there
+                return
             evict_by = self.config.evict_by(self, self.position - 1)
             if self.config.positions == "exact":
                 # one pass: nothing moves now; update_and_fetch writes the next token into this slot.
@@ -445,6 +471,38 @@ class EvictionCache(CompressedCache):
     def _recent_start(self) -> int:
         # the recent window is the newest `recent` tokens, which are all held (protected since they came)
         return self.position - self.recent
+
+    def _ring_slot(self) -> int | None:
+        """The slot to evict now as a host int, where eviction follows the ring (see _ring_start),
+        else None (the kernel path). Called once per evicting step of an exact, unpadded cache."""
+        if not (self.ring_order and self.config.score_is_position):
+            return None
+        if self._ring is None:
+            if self._ring_checked:  # checked since the last selection or load, and it did not hold
+                return None
+            self._ring_checked = True
+            self._ring = self._ring_start()
+            if self._ring is None:
+                return None
+        slot = self._ring[0]
+        self._ring.rotate(-1)  # this step's token goes into `slot`: the newest, last in the order
+        return slot
+
+    def _ring_start(self) -> deque | None:
+        """The non-sink slots, the oldest token's first, from one host read of the positions and
+        scores, where every row holds the same positions (so one slot serves every row), all
+        distinct, with scores equal to them; else None.
+
+        Then `evict_slot` picks the oldest non-sink token (the lowest score, ties to the lowest
+        position; it is below the recent window, as the cache holds capacity + 1 > n_sink + recent
+        distinct positions), the step's token takes its slot and is the newest: the order rotates
+        by one. Selection keeps slots in slot order, so the oldest need not be in the first slot."""
+        positions, scores = np.array(self.positions), np.array(self.scores)  # [R, n] each
+        row = positions[0]
+        if not ((positions == row).all() and len(np.unique(row)) == len(row)
+                and (scores == positions.astype(np.float32)).all()):
+            return None
+        return deque(int(slot) for slot in np.argsort(row) if row[slot] >= self.config.n_sink)  # n - n_sink slots
 
     def _select(self, capacity: int, step: int):
         """Keep the protected tokens and the top-ranked rest, `capacity` per row, in slot order."""
@@ -478,6 +536,8 @@ class EvictionCache(CompressedCache):
         self._keys, self._values, self._scores, self._positions = keys, values, scores, positions
         self.length = keys.shape[1]
         self.free = None
+        # slots rearranged (selection, a load): the ring is derived again at the next eviction
+        self._ring, self._ring_checked = None, False
 
     def _store(self, keys, values, scores, positions):
         """Place S new tokens ([R, S, D] / [R, S]): the first into each row's free slot if there is
@@ -488,14 +548,22 @@ class EvictionCache(CompressedCache):
             return
         if self.free is not None:
             R, S, D = keys.shape
-            slot = self.free[:, None]  # [R, 1]
-            token = mx.broadcast_to(slot[..., None], (R, 1, D))  # one index array for keys and values
             first = (lambda a: a) if S == 1 else (lambda a: a[:, :1])  # a decode step: no slicing
-            self._keys = mx.put_along_axis(self._keys, token, first(keys), axis=1)
-            self._values = mx.put_along_axis(self._values, token, first(values), axis=1)
-            self._positions = mx.put_along_axis(self._positions, slot, first(positions), axis=1)
-            if scores is not None:
-                self._scores = mx.put_along_axis(self._scores, slot, first(scores), axis=1)
+            if isinstance(self.free, int):  # the ring: one slot for every row, so slice writes
+                f = self.free
+                self._keys[:, f : f + 1] = first(keys)
+                self._values[:, f : f + 1] = first(values)
+                self._positions[:, f : f + 1] = first(positions)  # a Python int on a decode step
+                if scores is not None:
+                    self._scores[:, f : f + 1] = first(scores)
+            else:
+                slot = self.free[:, None]  # [R, 1]
+                token = mx.broadcast_to(slot[..., None], (R, 1, D))  # one index array for keys and values
+                self._keys = mx.put_along_axis(self._keys, token, first(keys), axis=1)
+                self._values = mx.put_along_axis(self._values, token, first(values), axis=1)
+                self._positions = mx.put_along_axis(self._positions, slot, first(positions), axis=1)
+                if scores is not None:
+                    self._scores = mx.put_along_axis(self._scores, slot, first(scores), axis=1)
             self.free = None
             if S == 1:
                 return

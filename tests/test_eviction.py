@@ -10,10 +10,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-from kvcompress.attention import install
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.errors import ConfigError
 from kvcompress.methods.eviction import PAD, Eviction, EvictionCache
@@ -418,19 +416,6 @@ def test_streaming_fractional_budget_evicts_after_prefill_and_while_decoding():
 
 # ---------------------------------------------------------------------------------------------
 # drop-in through mlx-lm: chunked prefill == the runner's from_prefill; save / load
-
-
-@pytest.fixture(scope="module")
-def tiny_llama():
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128, rope_theta=BASE,
-    )
-    model = llama.Model(args)
-    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(5)) * 0.1, model.parameters()))
-    mx.eval(model.parameters())
-    install()
-    return model
 
 
 @pytest.mark.parametrize("name", EVICTION)

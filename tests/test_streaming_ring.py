@@ -11,10 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from kvcompress.attention import install
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.methods.eviction import Eviction, EvictionCache
 
@@ -157,19 +155,6 @@ def test_ring_step_builds_fewer_mlx_ops():
 
 # ---------------------------------------------------------------------------------------------
 # through an mlx-lm model: drop-in prefill, batch > 1, save / load mid-decode
-
-
-@pytest.fixture(scope="module")
-def tiny_llama():
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128, rope_theta=BASE,
-    )
-    model = llama.Model(args)
-    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(5)) * 0.1, model.parameters()))
-    mx.eval(model.parameters())
-    install()
-    return model
 
 
 def decode_both(model, ring, kernel, tokens, steps):

@@ -26,6 +26,7 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"
 
 import kvcompress  # noqa: E402  (loads the optimized BLAS before mlx)
+from model_fixtures import tiny_llama  # noqa: E402, F401  (a fixture: pytest finds it here)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,28 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def embedded():
     """(model, tokenizer) of the embedded SmolLM2-135M, loaded once."""
     return kvcompress.load_model("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def tiny_llama():
-    """A random 3-layer mlx-lm Llama (4 query / 2 KV heads, head_dim 32) with kvcompress's attention
-    hook installed; RoPE base 20000, an unusual one: a hard-coded 10000 anywhere would break the
-    eviction tests that use it."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.models import llama
-
-    from kvcompress.attention import install
-
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128, rope_theta=20000.0,
-    )
-    model = llama.Model(args)
-    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(5)) * 0.1, model.parameters()))
-    mx.eval(model.parameters())
-    install()
-    return model
 
 
 @pytest.fixture(scope="session")

@@ -66,6 +66,7 @@ from mlx_lm.models.cache import create_attention_mask
 from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
+from ..kernels.scored_attention import scored_attention
 from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
 from .prompt_scores import accumulated_attention, folded_logits
 
@@ -152,6 +153,11 @@ class Eviction(Method):
         """"replace": new scores [R, n] from this step's attention probabilities [R, G, S, n]."""
         raise NotImplementedError
 
+    def score_step_sums(self, cache, sums, group: int):
+        """"replace", one query: new scores [R, n] from its probabilities summed over the G = `group`
+        query heads of each row, [R, n] (what the GPU's fused decode step gives)."""
+        raise NotImplementedError
+
     def score_new(self, cache, keys, positions):
         """"fixed": scores [R, S] of arriving keys [R, S, D] at true positions [R, S]."""
         raise NotImplementedError
@@ -198,6 +204,9 @@ class EvictionCache(CompressedCache):
     """One layer's eviction cache: mlx-lm's cache protocol plus `attention` and `from_prefill`."""
 
     ring_order = True  # False on an instance: StreamingLLM takes the kernel path (tests, benchmarks)
+    # whether a scoring method's unmasked decode step takes `_scored_step` (None: on a GPU); set on an
+    # instance, tests run it on the CPU (with the kernels' MLX reference) or keep a GPU on the old path
+    fuse_scores: bool | None = None
 
     def __init__(self, config: Eviction, layer: int, n_layers: int, n_kv_heads: int, head_dim: int, rope, scale: float):
         self.config, self.layer, self.n_layers = config, layer, n_layers
@@ -294,17 +303,18 @@ class EvictionCache(CompressedCache):
         decode = "grow" if self.config.decode == "grow" else self.scorer.decode
         masked = S > 1 or self.padded
         scored = decode in ("accumulate", "replace")  # scores from this step's probabilities
-        # The output from the full cache's own fused kernel (slot order does not matter to an
-        # unmasked query), scoring methods computing the probabilities beside it; on the H200 the
-        # probs @ values matmul below cost ~7x SDPA (benchmarks/EVICTION_GPU_NOTES.md). On a CPU, SDPA
-        # is the same matmuls, so a scoring method would compute q K^T twice (1.6x a step,
-        # measured): there the probabilities give the output.
-        fused = not masked and (not scored or mx.default_device() == mx.gpu)
-        if fused:
+        # One query per row, unmasked: the window and one-shot methods take the full cache's own SDPA
+        # (slot order does not matter to an unmasked query); on a GPU the scoring methods take one
+        # kernel pass that gives the output and the scores together (`_scored_step`). On a CPU SDPA is
+        # the same matmuls, so a scoring method would compute q K^T twice (1.6x a step, measured):
+        # there the probabilities below give the output.
+        gpu = mx.default_device() == mx.gpu if self.fuse_scores is None else self.fuse_scores
+        if not masked and not scored:
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-            if not scored:
-                self._evict_down()
-                return out
+            self._evict_down()
+            return out
+        if not masked and gpu:
+            return self._scored_step(queries, q, new_keys, scale, decode)
         query_positions = None  # built only where used: every op costs host time, per layer per step
         if masked or decode == "accumulate":
             query_positions = mx.arange(self.position - S, self.position, dtype=mx.int32)
@@ -312,15 +322,41 @@ class EvictionCache(CompressedCache):
         if masked:
             logits = self._causal(logits, query_positions)
         probs = mx.softmax(logits, axis=-1, precise=True)
-        if not fused:
-            values = self.values
-            out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
+        values = self.values
+        out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
         if decode == "accumulate":
             self._scores = self.scores + self._step_increments(q, new_keys, logits, probs, query_positions, scale)
         elif decode == "replace":
             self._scores = self.scorer.score_step(self, probs)
         self._evict_down()
         return out.astype(queries.dtype)
+
+    def _scored_step(self, queries, q, new_keys, scale, decode):
+        """A scoring method's decode step on a GPU (kvcompress/kernels/scored_attention.py): the
+        output, the logits and the heads' summed probabilities read the keys and values once, where
+        SDPA plus the scores' own logits, softmax and sums read the keys twice in ~8 kernels.
+        Where a method's scores are the attention itself (H2O: neither `transform` nor
+        `score_queries` overridden), the same launch adds them to the scores."""
+        B, n_q, S, D = queries.shape
+        R, G, n = q.shape[0], q.shape[1], self.length
+        plain = decode == "accumulate" and self._plain_scores()
+        out, logits, sums = scored_attention(q.reshape(R, G, D), self._keys, self._values, n, scale,
+                                             self.scores if plain else None)
+        if plain:
+            self._scores = sums
+        elif decode == "accumulate":
+            logits = logits[:, :, None]  # [R, G, 1, n]
+            query_positions = mx.arange(self.position - 1, self.position, dtype=mx.int32)
+            self._scores = self.scores + self._step_increments(q, new_keys, logits, None, query_positions, scale, sums)
+        else:
+            self._scores = self.scorer.score_step_sums(self, sums, G)
+        self._evict_down()
+        return out.reshape(B, n_q, S, D)
+
+    def _plain_scores(self) -> bool:
+        """Whether a decode query's score increments are its probabilities summed over the heads."""
+        cls = type(self.scorer)
+        return cls.transform is Eviction.transform and cls.score_queries is Eviction.score_queries
 
     def make_mask(self, N, return_array=False, window_size=None):
         # attention() masks by positions; this is what a caller that asks gets (slot count, causal)
@@ -425,7 +461,9 @@ class EvictionCache(CompressedCache):
         self._set_offset()
         mx.eval(self.state[:4])
 
-    def _step_increments(self, q, new_keys, logits, probs, query_positions, scale):
+    def _step_increments(self, q, new_keys, logits, probs, query_positions, scale, prob_sums=None):
+        """What a step adds to every score [R, n]; `prob_sums` [R, n]: probs summed over the heads,
+        where the fused kernel gave them instead of `probs`."""
         scorer = self.scorer
         sq = scorer.score_queries(self, q, new_keys)
         if sq is not q:
@@ -433,6 +471,8 @@ class EvictionCache(CompressedCache):
         noisy = scorer.transform(self, logits, query_positions, self.positions)
         if noisy is not logits or sq is not q:
             probs = mx.softmax(noisy, axis=-1, precise=True)
+        elif prob_sums is not None:
+            return prob_sums
         return probs.sum(axis=(1, 2))
 
     def _causal(self, logits, query_positions):

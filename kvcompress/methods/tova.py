@@ -39,7 +39,13 @@ class TOVA(Eviction):
 
     def score_step(self, cache, probs):
         # probs [R, G, S, n] -> the last query, averaged over every head of the batch element
-        R, G, _, n = probs.shape
-        per_row = probs[:, :, -1].mean(axis=1)  # [R, n]
+        return self._batch_mean(cache, probs[:, :, -1].mean(axis=1))
+
+    def score_step_sums(self, cache, sums, group):
+        return self._batch_mean(cache, sums / group)
+
+    def _batch_mean(self, cache, per_row):
+        # per_row [R, n]: a row's heads averaged -> the mean over every KV head of the batch element
+        R, n = per_row.shape
         per_batch = per_row.reshape(cache.batch, -1, n).mean(axis=1, keepdims=True)
         return mx.broadcast_to(per_batch, (cache.batch, R // cache.batch, n)).reshape(R, n)

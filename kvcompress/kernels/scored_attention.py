@@ -1,0 +1,394 @@
+"""Decode attention that also scores: the output, the logits and each key's attention, in one pass
+over the keys and values. For the eviction methods whose scores are attention (H2O, TOVA, Keyformer).
+
+A scoring eviction step needs, per KV row r (a (batch, KV head) pair) with G query heads and n kept
+slots, the attention output and the probabilities softmax(q_g . k_j * scale) of every key. With MLX
+ops that is SDPA for the output plus a second pass for the scores (logits matmul, softmax, a column
+sum): the keys are read twice and ~8 kernels run per layer (benchmarks/EVICTION_GPU_NOTES.md: 137 us
+per layer at 16k slots on the H200 against SDPA's 41). Here:
+
+1. `attend` (flash-decoding, Dao et al. 2023): the slots are cut into `nb` chunks, one thread block
+   per (chunk, row). Each warp takes UN slots at a time (8 for G <= 4) and issues all their key and
+   value loads before using any. Lane l holds channels l, l + 32, ... of the G (pre-scaled)
+   queries, so each load of a key or value row is 32 consecutive elements (coalesced). The UN x G
+   dot products meet in a reduce-scatter over the lanes (each halving step sends half the partial
+   sums to the lane `m` away: 31 shuffles where a butterfly per sum took 160), after which lane l
+   holds one whole dot product: it writes that logit, and the lanes of one head agree on its running
+   max and sum (online softmax) with three more shuffles. The probabilities go through shared
+   memory to every lane for the values. The block combines its warps in shared memory and writes a
+   partial output and (max, sum) per head, and the kernel every slot's logits [R, G, n] (float32,
+   natural units: q . k * scale).
+2. `finish`: G warps of every block first combine the row's partial (max, sum) into the softmax's
+   final max M_g and sum L_g; the first G * D threads of the row's grid also combine the partial
+   outputs into the output; then each thread turns its slots' logits into probabilities
+   exp(l - M_g) / L_g and writes their sum over the G heads, added to the given scores
+   (ACCUMULATE: H2O's update in the same launch) or alone.
+
+Two launches read the keys once, the values once and the [R, G, n] logits once (2 MiB at 16k
+slots x 8 rows x 4 heads against 32 MiB of fp16 keys). Keys and values are the cache's buffers as
+they are, [R, allocated, D] with the slots in use first: no slice, no copy. float32 accumulation;
+exp via exp2 of (l - M) * log2(e). Not bit-identical to the MLX reference (other summation order):
+within 1e-5 relative L2 for float32 (tests/test_scored_attention.py, on a GPU).
+
+Speed on the H200 (8 rows x 4 heads, D 128, fp16, 16385 slots; benchmarks/EVICTION_GPU_NOTES.md):
+attend + finish 82 us per layer against cuDNN's SDPA alone 38 us, and against 146 us for SDPA plus
+the MLX scoring ops it replaces. Nsight Compute: the attend kernel is latency-bound (12 warps per SM,
+132 registers a thread; ~57% of issue cycles wait on global loads; DRAM at ~19% of peak). Tried
+and measured slower: software-pipelined loads (the next slots' loads in flight during the current
+ones: 91-104 against 82-92 us), more blocks per row (128 / 192: 92 / 124 us).
+
+Supported: head_dim a multiple of 32 up to 256, 1..8 query heads per KV row, float16 / bfloat16 /
+float32, one query per row (a decode step), no mask. `scored_attention` picks the path through
+kernels/dispatch.py (self-test on first use, else the reference). The Metal body is the CUDA one
+behind the macros of kivi_attention.py; it cannot be run on these machines (no Apple GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import mlx.core as mx
+
+from . import dispatch
+from .kivi_attention import CUDA_HEADER, METAL_HEADER
+
+MAX_GROUP = 8
+THREADS = 128  # 4 warps per `attend` block
+FINISH_THREADS = 256
+SLOTS_PER_FINISH_BLOCK = 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# MLX reference
+
+
+def scored_attention_reference(q, keys, values, n: int, scale: float, scores=None):
+    """q [R, G, D]; keys, values [R, >= n, D] (the first n slots are used); scores [R, n] float32 or None.
+
+    Returns (out [R, G, D] in q's dtype, logits [R, G, n] float32, sums [R, n] float32) where
+    probs = softmax(logits) over the slots, sums = probs summed over the G heads (+ scores if given).
+    """
+    k, v = keys[:, :n], values[:, :n]
+    logits = ((q * scale).astype(k.dtype) @ k.swapaxes(1, 2)).astype(mx.float32)  # [R, G, n]
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    out = (probs.astype(v.dtype) @ v).astype(q.dtype)  # [R, G, D]
+    sums = probs.sum(axis=1)
+    return out, logits, sums if scores is None else scores + sums
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels (one body per kernel for CUDA and Metal; the headers define the macros)
+
+_ATTEND_BODY = """
+    constexpr int NW = NT / 32;
+    constexpr int C = D / 32;  // channels per lane: lane, lane + 32, ...
+    constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;  // heads padded to a power of two
+    constexpr int UN = 32 / GP < 8 ? 32 / GP : 8;  // slots per warp step
+    constexpr int V = UN * GP;  // dot products per warp step, index u * GP + g
+    constexpr int LV = V == 32 ? 5 : V == 16 ? 4 : 3;
+    constexpr int LG = GP == 8 ? 3 : GP == 4 ? 2 : GP == 2 ? 1 : 0;
+    constexpr int SHIFT = 5 - LV;  // lanes 2^SHIFT apart hold copies of the same dot product
+    const int n = dims[0];
+    const int allocated = dims[1];
+    const int per_block = dims[2];
+    const int nb = dims[3];
+    const float scale = params[0];
+    const float log2e = 1.4426950408889634f;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const long kv_row = row * (long)allocated * D;
+    // after the reduction below, lane l holds dot product (u, g) = (idx / GP, idx % GP), idx = l >> SHIFT
+    const int idx = lane >> SHIFT;
+    const int my_u = idx / GP;
+    const int my_g = idx % GP;
+    const bool writer = (lane & ((1 << SHIFT) - 1)) == 0;
+
+    float qv[G][C];
+    KV_UNROLL for (int g = 0; g < G; ++g) {
+        KV_UNROLL for (int c = 0; c < C; ++c) qv[g][c] = (float)q[(row * G + g) * D + c * 32 + lane] * scale;
+    }
+    float acc[G][C];
+    KV_UNROLL for (int g = 0; g < G; ++g) {
+        KV_UNROLL for (int c = 0; c < C; ++c) acc[g][c] = 0.0f;
+    }
+    float run_max = NEG_INF, run_sum = 0.0f;  // of head my_g (every lane of that head agrees)
+    KV_SHARED float shared_p[NW * V];  // a warp step's probabilities, index u * GP + g
+    KV_SHARED float shared_rescale[NW * GP];
+    const int start = blk * per_block;
+    const int end = min(n, start + per_block);
+    KV_NO_UNROLL for (int t0 = start + warp * UN; t0 < end; t0 += NW * UN) {
+        // every load of the UN slots' keys and values first: they are in flight together (the
+        // values do not depend on the probabilities, only their use does)
+        T kh[UN][C], vh[UN][C];
+        KV_UNROLL for (int u = 0; u < UN; ++u) {
+            const long at = kv_row + (long)min(t0 + u, end - 1) * D + lane;  // p is 0 past the end
+            KV_UNROLL for (int c = 0; c < C; ++c) kh[u][c] = keys[at + c * 32];
+            KV_UNROLL for (int c = 0; c < C; ++c) vh[u][c] = values[at + c * 32];
+        }
+        float v[V];
+        KV_UNROLL for (int u = 0; u < UN; ++u) {
+            KV_UNROLL for (int g = 0; g < GP; ++g) {
+                float dot = 0.0f;
+                if (g < G) {
+                    KV_UNROLL for (int c = 0; c < C; ++c) dot += qv[g < G ? g : 0][c] * (float)kh[u][c];
+                }
+                v[u * GP + g] = dot;
+            }
+        }
+        // reduce-scatter over the warp: each halving step sends half of the partial sums to the lane
+        // `m` away and adds the half it receives (31 shuffles for 32 sums where a butterfly per sum
+        // took 160), so lane l ends with the whole sum of dot product l >> SHIFT
+        KV_UNROLL for (int step = 0; step < LV; ++step) {
+            const int half = V >> (step + 1);
+            const int m = 16 >> step;
+            const bool upper = (lane & m) != 0;
+            KV_UNROLL for (int i = 0; i < half; ++i) {
+                const float send = upper ? v[i] : v[i + half];
+                const float keep = upper ? v[i + half] : v[i];
+                v[i] = keep + SHFL_XOR(send, m);
+            }
+        }
+        KV_UNROLL for (int m = 16 >> LV; m > 0; m /= 2) v[0] += SHFL_XOR(v[0], m);
+        const bool valid = my_g < G && t0 + my_u < end;
+        float s = v[0];
+        if (valid && writer) logits[(row * G + my_g) * (long)n + t0 + my_u] = s;
+        if (!valid) s = NEG_INF;
+        // online softmax per head: the lanes of one head differ in the lane bits of u
+        float top = s;
+        KV_UNROLL for (int m = 1 << (LG + SHIFT); m < 32; m *= 2) top = FMAX(top, SHFL_XOR(top, m));
+        top = FMAX(top, run_max);
+        const float base = top == NEG_INF ? 0.0f : top;  // a padded head: nothing, and no NaN
+        const float rescale = EXP2((run_max - base) * log2e);  // 0 on the first slots (max -inf)
+        const float p = EXP2((s - base) * log2e);
+        float added = p;
+        KV_UNROLL for (int m = 1 << (LG + SHIFT); m < 32; m *= 2) added += SHFL_XOR(added, m);
+        run_max = top;
+        run_sum = run_sum * rescale + added;
+        if (writer) {
+            shared_p[warp * V + idx] = p;
+            if (my_u == 0) shared_rescale[warp * GP + my_g] = rescale;
+        }
+        WARP_SYNC();
+        KV_UNROLL for (int g = 0; g < G; ++g) {
+            const float r = shared_rescale[warp * GP + g];
+            KV_UNROLL for (int c = 0; c < C; ++c) acc[g][c] *= r;
+        }
+        KV_UNROLL for (int u = 0; u < UN; ++u) {
+            KV_UNROLL for (int g = 0; g < G; ++g) {
+                const float pg = shared_p[warp * V + u * GP + g];
+                KV_UNROLL for (int c = 0; c < C; ++c) acc[g][c] += pg * (float)vh[u][c];
+            }
+        }
+        WARP_SYNC();  // the next step overwrites shared_p
+    }
+
+    // the block's warps meet in shared memory: (max, sum) per head, then the outputs
+    KV_SHARED float w_max[NW * G];
+    KV_SHARED float w_sum[NW * G];
+    KV_SHARED float w_acc[NW * G * D];
+    if (writer && my_u == 0 && my_g < G) {
+        w_max[warp * G + my_g] = run_max;
+        w_sum[warp * G + my_g] = run_sum;
+    }
+    KV_UNROLL for (int g = 0; g < G; ++g) {
+        KV_UNROLL for (int c = 0; c < C; ++c) w_acc[(warp * G + g) * D + c * 32 + lane] = acc[g][c];
+    }
+    KV_BARRIER();
+    const long part_row = (row * (long)nb + blk) * G;
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D;
+        float top = NEG_INF;
+        for (int w = 0; w < NW; ++w) top = FMAX(top, w_max[w * G + g]);
+        float o = 0.0f, total = 0.0f;
+        for (int w = 0; w < NW; ++w) {
+            const float weight = w_max[w * G + g] == NEG_INF ? 0.0f : EXP2((w_max[w * G + g] - top) * log2e);
+            o += weight * w_acc[w * G * D + i];
+            total += weight * w_sum[w * G + g];
+        }
+        part[part_row * D + i] = o;
+        if (i % D == 0) {
+            stats[(part_row + g) * 2] = top;
+            stats[(part_row + g) * 2 + 1] = total;
+        }
+    }
+"""
+
+_FINISH_BODY = """
+    const int n = dims[0];
+    const int nb = dims[3];
+    const float log2e = 1.4426950408889634f;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    KV_SHARED float final_max[G];
+    KV_SHARED float inv_sum[G];
+    const long part_row = row * (long)nb * G;
+    if (warp < G) {  // warp g: the softmax's max and sum for head g, the lanes striding the partials
+        const int g = warp;
+        float top = NEG_INF;
+        for (int b = lane; b < nb; b += 32) top = FMAX(top, stats[(part_row + b * G + g) * 2]);
+        KV_UNROLL for (int off = 16; off > 0; off /= 2) top = FMAX(top, SHFL_XOR(top, off));
+        float total = 0.0f;
+        for (int b = lane; b < nb; b += 32) total += EXP2((stats[(part_row + b * G + g) * 2] - top) * log2e) * stats[(part_row + b * G + g) * 2 + 1];
+        KV_UNROLL for (int off = 16; off > 0; off /= 2) total += SHFL_XOR(total, off);
+        if (lane == 0) {
+            final_max[g] = top;
+            inv_sum[g] = 1.0f / total;
+        }
+    }
+    KV_BARRIER();
+    const int i = blk * NT + tid;  // the first G * D threads of the grid also combine the outputs
+    if (i < G * D) {
+        const int g = i / D;
+        float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four partials' loads in flight at once
+        int b = 0;
+        for (; b + 4 <= nb; b += 4) {
+            KV_UNROLL for (int k = 0; k < 4; ++k) {
+                o[k] += EXP2((stats[(part_row + (b + k) * G + g) * 2] - final_max[g]) * log2e) * part[(part_row + (b + k) * G) * D + i];
+            }
+        }
+        for (; b < nb; ++b) o[0] += EXP2((stats[(part_row + b * G + g) * 2] - final_max[g]) * log2e) * part[(part_row + b * G) * D + i];
+        out[row * G * D + i] = (T)((o[0] + o[1] + (o[2] + o[3])) * inv_sum[g]);
+    }
+    const int first = blk * SLOTS_PER_BLOCK;
+    const int last = min(n, first + SLOTS_PER_BLOCK);
+    for (int j = first + tid; j < last; j += NT) {
+        float total = ACCUMULATE ? scores[row * (long)n + j] : 0.0f;
+        KV_UNROLL for (int g = 0; g < G; ++g) {
+            total += EXP2((logits[(row * G + g) * (long)n + j] - final_max[g]) * log2e) * inv_sum[g];
+        }
+        sums[row * (long)n + j] = total;
+    }
+"""
+
+_INDEX = {
+    "cuda": "const int tid = threadIdx.x; const int blk = blockIdx.x; const long row = blockIdx.y;\n",
+    "metal": "const int tid = (int)thread_position_in_threadgroup.x; const int blk = (int)threadgroup_position_in_grid.x;"
+             " const long row = (long)threadgroup_position_in_grid.y;\n",
+}
+_WARP_SYNC = {"cuda": "#define WARP_SYNC() __syncwarp()\n",
+              "metal": "#define WARP_SYNC() simdgroup_barrier(mem_flags::mem_threadgroup)\n"}
+_kernels: dict[tuple[str, str], object] = {}
+
+
+def _kernel(which: str, backend: str):
+    key = (which, backend)
+    if key not in _kernels:
+        if which == "attend":
+            inputs, outputs, body = ["q", "keys", "values", "dims", "params"], ["logits", "part", "stats"], _ATTEND_BODY
+        else:
+            inputs, outputs, body = ["part", "stats", "logits", "scores", "dims"], ["out", "sums"], _FINISH_BODY
+        header = (CUDA_HEADER if backend == "cuda" else METAL_HEADER) + _WARP_SYNC[backend] + (
+            f"#define SLOTS_PER_BLOCK {SLOTS_PER_FINISH_BLOCK}\n")
+        source = _INDEX[backend] + body
+        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
+        name = f"scored_{which}_{zlib.crc32((header + source).encode()):08x}"
+        make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+        _kernels[key] = make(name=name, input_names=inputs, output_names=outputs, source=source, header=header)
+    return _kernels[key]
+
+
+def default_blocks(n: int, rows: int) -> int:
+    """Chunks per row: ~384 blocks in all, about one wave on an H200 (132 SMs, 3 blocks each:
+    registers bound them; 48 and 96 chunks per row of 8 rows measured alike, 128 slower), at least
+    64 slots each."""
+    return max(1, min(-(-n // 64), -(-384 // rows)))
+
+
+_small_arrays: dict[tuple, mx.array] = {}
+
+
+def _constant(values: tuple, dtype) -> mx.array:
+    # one small array per distinct value, not one per call: a decode step calls this per layer, and
+    # an array the host has just written costs a GPU page fault on first use (benchmarks/launch_cost.py)
+    key = (values, dtype)
+    if key not in _small_arrays:
+        if len(_small_arrays) > 4096:
+            _small_arrays.clear()
+        _small_arrays[key] = mx.array(list(values), dtype)
+    return _small_arrays[key]
+
+
+def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, backend: str = "cuda",
+                           blocks: int | None = None):
+    """The two kernels; the same contract as `scored_attention_reference`."""
+    R, G, D = q.shape
+    allocated = keys.shape[1]
+    nb = blocks or default_blocks(n, R)
+    per_block = -(-n // nb)
+    nb = -(-n // per_block)
+    dims = _constant((n, allocated, per_block, nb), mx.int32)
+    template = [("T", q.dtype), ("D", D), ("G", G), ("NT", THREADS)]
+    logits, part, stats = _kernel("attend", backend)(
+        inputs=[q, keys, values, dims, _constant((scale,), mx.float32)],
+        template=template,
+        grid=(nb * THREADS, R, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(R, G, n), (R, nb, G, D), (R, nb, G, 2)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    # enough blocks for every slot and for the G * D outputs (one thread each)
+    finish_blocks = max(-(-n // SLOTS_PER_FINISH_BLOCK), -(-G * D // FINISH_THREADS))
+    out, sums = _kernel("finish", backend)(
+        inputs=[part, stats, logits, scores if scores is not None else _constant((0.0,), mx.float32), dims],
+        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", FINISH_THREADS), ("ACCUMULATE", scores is not None)],
+        grid=(finish_blocks * FINISH_THREADS, R, 1),
+        threadgroup=(FINISH_THREADS, 1, 1),
+        output_shapes=[(R, G, D), (R, n)],
+        output_dtypes=[q.dtype, mx.float32],
+    )
+    return out, logits, sums
+
+
+def supported(q, keys, values, n: int, scores=None) -> bool:
+    R, G, D = q.shape
+    return (
+        D % 32 == 0 and D <= 256 and 1 <= G <= MAX_GROUP and n >= 1
+        and q.dtype == keys.dtype == values.dtype and q.dtype in (mx.float16, mx.bfloat16, mx.float32)
+        and keys.shape == values.shape and keys.shape[0] == R and keys.shape[2] == D and keys.shape[1] >= n
+        and (scores is None or (scores.shape == (R, n) and scores.dtype == mx.float32))
+    )
+
+
+# float32 accumulation everywhere; the gap to the reference is the reference's own rounding
+_SELFTEST_TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
+
+
+def random_case(R: int, G: int, D: int, n: int, allocated: int, dtype, seed: int = 0):
+    """q [R, G, D], keys and values [R, allocated, D] (spare slots hold garbage), scores [R, n]."""
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
+    q = mx.random.normal((R, G, D), key=k1).astype(dtype)
+    keys = (3 * mx.random.normal((R, allocated, D), key=k2)).astype(dtype)
+    values = mx.random.normal((R, allocated, D), key=k3).astype(dtype)
+    scores = mx.random.uniform(shape=(R, n), key=k4) * 50
+    return q, keys, values, scores
+
+
+def _selftest(backend: str, dtype, variant: tuple) -> None:
+    G, D, accumulate = variant
+    q, keys, values, scores = random_case(3, G, D, 1000, 1100, dtype, seed=1)
+    given = scores if accumulate else None
+    got = scored_attention_fused(q, keys, values, 1000, D**-0.5, given, backend, blocks=5)
+    with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
+        want = scored_attention_reference(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
+                                          1000, D**-0.5, given)
+        mx.eval(want)
+    tolerance = _SELFTEST_TOLERANCE[dtype]
+    for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (tolerance, 1e-5, 1e-5)):
+        dispatch.assert_close(a, b, tol, f"scored_attention self-test ({what})")
+
+
+def scored_attention(q, keys, values, n: int, scale: float, scores=None):
+    """Decode attention with scores: the fused kernels where they apply and passed their self-test
+    on this machine, else the MLX reference (see the module docstring)."""
+    if supported(q, keys, values, n, scores):
+        variant = (q.shape[1], q.shape[2], scores is not None)
+        backend = dispatch.select("scored_attention", q.dtype, variant, lambda b: _selftest(b, q.dtype, variant))
+        if backend is not None:
+            return scored_attention_fused(q, keys, values, n, scale, scores, backend)
+    else:
+        dispatch.record_reference("scored_attention", q.dtype)
+    return scored_attention_reference(q, keys, values, n, scale, scores)
+
+
+assert math.isclose(1.4426950408889634, math.log2(math.e))

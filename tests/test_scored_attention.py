@@ -1,0 +1,152 @@
+"""The scoring methods' one-pass decode step (kvcompress/kernels/scored_attention.py and
+EvictionCache._scored_step): on a CPU the step through the kernels' MLX reference against the
+cache's plain path, and on a GPU the fused kernels against the reference (skipped on CPU; run on
+the H200 with benchmarks/kivi_gpu_check.sh tests)."""
+
+import os
+import warnings
+
+import kvcompress  # noqa: F401  (BLAS preload before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvcompress.kernels import dispatch
+from kvcompress.kernels import scored_attention as kernel
+from kvcompress.methods import method_config
+from kvcompress.methods.eviction import EvictionCache
+
+GPU = dispatch.gpu_backend()
+needs_gpu = pytest.mark.skipif(GPU is None, reason="needs a CUDA or Metal GPU (the fused kernels run only there)")
+
+
+class Layer:
+    """One layer fed the same random post-RoPE tokens twice: the plain step and `_scored_step`."""
+
+    def __init__(self, method, budget=24, B=1, H=2, G=3, D=16, seed=0, **params):
+        self.cfg = method_config(method, budget=budget, **params)
+        self.B, self.H, self.G, self.D = B, H, G, D
+        self.rng = np.random.default_rng(seed)
+        self.plain = EvictionCache(self.cfg, 0, 1, H, D, None, D**-0.5)
+        self.plain.fuse_scores = False
+        self.scored = EvictionCache(self.cfg, 0, 1, H, D, None, D**-0.5)
+        self.scored.fuse_scores = True
+
+    def normal(self, heads, S):
+        return mx.array(self.rng.standard_normal((self.B, heads, S, self.D)).astype(np.float32))
+
+    def feed(self, S=1):
+        k, v, q = self.normal(self.H, S), self.normal(self.H, S), self.normal(self.H * self.G, S)
+        outs = []
+        for c in (self.plain, self.scored):
+            keys, values = c.update_and_fetch(k, v)
+            mask = c.make_mask(S, return_array=True) if S > 1 else None
+            outs.append(c.attention(q, keys, values, scale=self.D**-0.5, mask=mask))
+        return outs
+
+
+@pytest.mark.parametrize("method, params", [("h2o", {}), ("h2o", {"recent": 4}), ("tova", {}),
+                                            ("keyformer", {}), ("keyformer", {"score": "proxy"})])
+@pytest.mark.parametrize("B", [1, 2])
+def test_scored_step_equals_plain_step_on_cpu(method, params, B):
+    """Through the MLX reference the one-pass step computes what the plain step does, in the same
+    operations: the same outputs, scores and evictions, step by step."""
+    layer = Layer(method, B=B, seed=B + len(params), **params)
+    layer.feed(39)  # drop-in: the prompt, then its last token alone
+    layer.feed()
+    for _ in range(40):
+        plain, scored = layer.feed()
+        np.testing.assert_allclose(np.array(scored), np.array(plain), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.array(layer.scored.scores), np.array(layer.plain.scores), rtol=1e-6, atol=1e-9)
+        assert np.array_equal(np.array(layer.scored.kept_positions()), np.array(layer.plain.kept_positions()))
+    assert layer.scored.tokens_kept == 24
+
+
+def test_plain_scores_only_for_unaltered_attention():
+    """H2O's scores are the attention itself (added in the kernel's launch); Keyformer's noise and
+    TOVA's replacement are not."""
+    def plain(method):
+        return EvictionCache(method_config(method, budget=8), 0, 1, 1, 16, None, 0.25)._plain_scores()
+
+    assert plain("h2o") and not plain("keyformer")
+
+
+def test_reference_contract():
+    q, keys, values, scores = kernel.random_case(3, 4, 32, 50, 64, mx.float32, seed=3)
+    out, logits, sums = kernel.scored_attention_reference(q, keys, values, 50, 0.2, scores)
+    assert out.shape == (3, 4, 32) and logits.shape == (3, 4, 50) and sums.shape == (3, 50)
+    alone = kernel.scored_attention_reference(q, keys, values, 50, 0.2)[2]
+    assert mx.array_equal(sums, scores + alone).item()
+    np.testing.assert_allclose(np.array(alone), np.array(mx.softmax(logits, axis=-1).sum(axis=1)), rtol=1e-5)
+    np.testing.assert_allclose(np.array(alone.sum(axis=1)), 4.0, rtol=1e-5)  # G heads' probabilities
+    # the spare slots past n are never read
+    spoiled = mx.concatenate([keys[:, :50], mx.full((3, 14, 32), mx.nan)], axis=1)
+    again = kernel.scored_attention_reference(q, spoiled, values, 50, 0.2, scores)
+    assert all(mx.array_equal(a, b).item() for a, b in zip((out, logits, sums), again))
+
+
+# -- GPU --------------------------------------------------------------------------------------------
+
+TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
+
+
+def reference_f32(q, keys, values, n, scale, scores):
+    with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
+        want = kernel.scored_attention_reference(q.astype(mx.float32), keys.astype(mx.float32),
+                                                 values.astype(mx.float32), n, scale, scores)
+        mx.eval(want)
+    return want
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("G, D", [(1, 32), (3, 64), (4, 128), (8, 128), (5, 256)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_fused_matches_reference(dtype, G, D, accumulate):
+    for i, (R, n, allocated, blocks) in enumerate([(1, 1, 1, None), (3, 77, 256, None), (8, 1000, 1280, 7),
+                                                   (8, 16385, 16640, None)]):
+        q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, dtype, seed=i)
+        given = scores if accumulate else None
+        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, given, GPU, blocks=blocks)
+        want = reference_f32(q, keys, values, n, D**-0.5, given)
+        assert got[0].dtype == dtype and got[1].shape == (R, G, n) and got[2].shape == (R, n)
+        # float32 rounding of sums over up to 16k slots (the reference's own as much as the kernel's)
+        for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (TOLERANCE[dtype], 1e-5, 1e-5)):
+            dispatch.assert_close(a, b, max(tol, 5e-5 if n > 4096 else 0), f"{what} R={R} n={n}")
+
+
+@needs_gpu
+def test_dispatch_picks_the_kernel_and_falls_back(monkeypatch):
+    q, keys, values, scores = kernel.random_case(2, 4, 64, 300, 512, mx.float16, seed=9)
+    dispatch.forget_verdicts()
+    dispatch.reset_paths()
+    kernel.scored_attention(q, keys, values, 300, 0.125, scores)
+    assert dispatch.paths_used() == {f"scored_attention/{GPU}/float16": "fused"}
+    monkeypatch.setattr(kernel, "_ATTEND_BODY", kernel._ATTEND_BODY.replace("params[0];", "params[0] * 1.5f;"))
+    monkeypatch.setattr(kernel, "_kernels", {})
+    dispatch.forget_verdicts()
+    dispatch.reset_paths()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = kernel.scored_attention(q, keys, values, 300, 0.125, scores)
+    assert any("scored_attention" in str(w.message) for w in caught)
+    assert dispatch.paths_used() == {f"scored_attention/{GPU}/float16": "reference"}
+    want = kernel.scored_attention_reference(q, keys, values, 300, 0.125, scores)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    dispatch.forget_verdicts()
+
+
+@needs_gpu
+@pytest.mark.parametrize("method", ["h2o", "tova", "keyformer"])
+def test_gpu_cache_step_close_to_plain_step(method):
+    """The cache on a GPU with the kernels against the plain step (float32, TF32 off in conftest):
+    outputs and scores within float32 rounding, the same evictions (random scores do not tie that close)."""
+    assert os.environ.get("MLX_ENABLE_TF32") == "0"
+    layer = Layer(method, budget=48, H=2, G=4, D=64, seed=4)
+    layer.feed(95)
+    layer.feed()
+    for _ in range(30):
+        plain, scored = layer.feed()
+        dispatch.assert_close(scored, plain, 1e-5, f"{method} output")
+        dispatch.assert_close(layer.scored.scores, layer.plain.scores, 1e-5, f"{method} scores")
+        assert np.array_equal(np.array(layer.scored.kept_positions()), np.array(layer.plain.kept_positions()))

@@ -23,7 +23,7 @@ needs_gpu = pytest.mark.skipif(GPU is None, reason="needs a CUDA or Metal GPU (t
 class Layer:
     """One layer fed the same random post-RoPE tokens twice: the plain step and `_scored_step`."""
 
-    def __init__(self, method, budget=24, B=1, H=2, G=3, D=16, seed=0, **params):
+    def __init__(self, method, budget=24, B=1, H=2, G=3, D=32, seed=0, **params):
         self.cfg = method_config(method, budget=budget, **params)
         self.B, self.H, self.G, self.D = B, H, G, D
         self.rng = np.random.default_rng(seed)
@@ -60,6 +60,29 @@ def test_scored_step_equals_plain_step_on_cpu(method, params, B):
         np.testing.assert_allclose(np.array(layer.scored.scores), np.array(layer.plain.scores), rtol=1e-6, atol=1e-9)
         assert np.array_equal(np.array(layer.scored.kept_positions()), np.array(layer.plain.kept_positions()))
     assert layer.scored.tokens_kept == 24
+
+
+def test_scored_step_runs_where_the_kernels_apply(monkeypatch):
+    """Head dims the kernels do not cover (not a multiple of 32) keep SDPA for the output and the
+    MLX ops for the scores: the same results as the plain step within SDPA's rounding."""
+    calls = []
+    scored_step = EvictionCache._scored_step
+
+    def counted(self, *args):
+        calls.append(1)
+        return scored_step(self, *args)
+
+    monkeypatch.setattr(EvictionCache, "_scored_step", counted)
+    for D, expected in ((32, True), (16, False)):
+        calls.clear()
+        layer = Layer("h2o", D=D, seed=D)
+        layer.feed(39)
+        layer.feed()
+        for _ in range(10):
+            plain, scored = layer.feed()
+            np.testing.assert_allclose(np.array(scored), np.array(plain), rtol=1e-5, atol=1e-6)
+            assert np.array_equal(np.array(layer.scored.kept_positions()), np.array(layer.plain.kept_positions()))
+        assert bool(calls) == expected
 
 
 def test_plain_scores_only_for_unaltered_attention():

@@ -340,11 +340,18 @@ def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, b
     return out, logits, sums
 
 
+def shape_supported(group: int, head_dim: int, query_dtype, kv_dtype) -> bool:
+    """Whether the kernels cover a layer of this geometry (see the module docstring)."""
+    return (
+        head_dim % 32 == 0 and head_dim <= 256 and 1 <= group <= MAX_GROUP
+        and query_dtype == kv_dtype and query_dtype in (mx.float16, mx.bfloat16, mx.float32)
+    )
+
+
 def supported(q, keys, values, n: int, scores=None) -> bool:
     R, G, D = q.shape
     return (
-        D % 32 == 0 and D <= 256 and 1 <= G <= MAX_GROUP and n >= 1
-        and q.dtype == keys.dtype == values.dtype and q.dtype in (mx.float16, mx.bfloat16, mx.float32)
+        shape_supported(G, D, q.dtype, keys.dtype) and n >= 1 and keys.dtype == values.dtype
         and keys.shape == values.shape and keys.shape[0] == R and keys.shape[2] == D and keys.shape[1] >= n
         and (scores is None or (scores.shape == (R, n) and scores.dtype == mx.float32))
     )

@@ -67,6 +67,7 @@ from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
 from ..kernels.scored_attention import scored_attention
+from ..kernels.scored_attention import shape_supported as scored_attention_supported
 from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
 from .prompt_scores import accumulated_attention, folded_logits
 
@@ -313,7 +314,7 @@ class EvictionCache(CompressedCache):
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
             self._evict_down()
             return out
-        if not masked and gpu:
+        if not masked and gpu and scored_attention_supported(q.shape[1], D, queries.dtype, self._keys.dtype):
             return self._scored_step(queries, q, new_keys, scale, decode)
         query_positions = None  # built only where used: every op costs host time, per layer per step
         if masked or decode == "accumulate":
@@ -322,8 +323,12 @@ class EvictionCache(CompressedCache):
         if masked:
             logits = self._causal(logits, query_positions)
         probs = mx.softmax(logits, axis=-1, precise=True)
-        values = self.values
-        out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
+        if not masked and gpu:  # a shape the kernels do not cover: the output from SDPA (on the H200
+            # the probs @ values matmul below cost ~7x it, benchmarks/EVICTION_GPU_NOTES.md)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+        else:
+            values = self.values
+            out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)
         if decode == "accumulate":
             self._scores = self.scores + self._step_increments(q, new_keys, logits, probs, query_positions, scale)
         elif decode == "replace":

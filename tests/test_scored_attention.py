@@ -14,6 +14,7 @@ import pytest
 from kvcompress.kernels import dispatch
 from kvcompress.kernels import scored_attention as kernel
 from kvcompress.methods import method_config
+from kvcompress.methods import eviction
 from kvcompress.methods.eviction import EvictionCache
 
 GPU = dispatch.gpu_backend()
@@ -46,7 +47,8 @@ class Layer:
 
 
 @pytest.mark.parametrize("method, params", [("h2o", {}), ("h2o", {"recent": 4}), ("tova", {}),
-                                            ("keyformer", {}), ("keyformer", {"score": "proxy"})])
+                                            ("keyformer", {}), ("keyformer", {"noise": "frozen", "tau_end": 3.0}),
+                                            ("keyformer", {"score": "proxy"})])
 @pytest.mark.parametrize("B", [1, 2])
 def test_scored_step_equals_plain_step_on_cpu(method, params, B):
     """Through the MLX reference the one-pass step computes what the plain step does, in the same
@@ -85,6 +87,43 @@ def test_scored_step_runs_where_the_kernels_apply(monkeypatch):
         assert bool(calls) == expected
 
 
+def test_keyformer_hands_its_noise_to_the_kernels(monkeypatch):
+    """Keyformer's step gives the kernels its noise (the scores' softmax in the same launches) unless
+    it scores with the proxy; the CPU runs the kernels' reference, equal to the plain step above."""
+    seen = []
+    original = eviction.scored_attention
+
+    def spy(*args):
+        seen.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(eviction, "scored_attention", spy)
+    for params, noisy in (({}, True), ({"noise": "frozen"}, True), ({"score": "proxy"}, False)):
+        seen.clear()
+        layer = Layer("keyformer", seed=7, **params)
+        layer.feed(39)
+        layer.feed()  # the prompt's last token
+        layer.feed()
+        layer.feed()
+        assert len(seen) == 2 and all((noise is not None) == noisy for noise in seen)
+        if noisy:
+            position, query = layer.scored.position - 1, seen[-1].query_position
+            assert query == (None if params else position) and seen[-1].tau == layer.cfg._step_tau(layer.scored, position)
+
+
+def test_reference_noise_is_keyformers():
+    """The reference's noisy softmax is Keyformer's transform: (logits + zeta) / tau, zeta from
+    counter_hash for (stream, query position, key position)."""
+    from kvcompress.methods.counter_hash import gumbel_noise_from_streams
+
+    q, keys, values, _ = kernel.random_case(3, 4, 32, 50, 64, mx.float32, seed=5)
+    noise = kernel.random_noise(3, 4, 64, seed=6)
+    _, logits, sums = kernel.scored_attention_reference(q, keys, values, 50, 0.2, mx.zeros((3, 50)), noise)
+    zeta = gumbel_noise_from_streams(noise.streams, mx.array([noise.query_position]), noise.positions[:, :50])
+    want = mx.softmax((logits[:, :, None] + zeta) / noise.tau, axis=-1, precise=True).sum(axis=(1, 2))
+    np.testing.assert_allclose(np.array(sums), np.array(want), rtol=1e-6)
+
+
 def test_plain_scores_only_for_unaltered_attention():
     """H2O's scores are the attention itself (added in the kernel's launch); Keyformer's noise and
     TOVA's replacement are not."""
@@ -113,10 +152,10 @@ def test_reference_contract():
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
 
 
-def reference_f32(q, keys, values, n, scale, scores):
+def reference_f32(q, keys, values, n, scale, scores, noise=None):
     with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
         want = kernel.scored_attention_reference(q.astype(mx.float32), keys.astype(mx.float32),
-                                                 values.astype(mx.float32), n, scale, scores)
+                                                 values.astype(mx.float32), n, scale, scores, noise)
         mx.eval(want)
     return want
 
@@ -124,14 +163,16 @@ def reference_f32(q, keys, values, n, scale, scores):
 @needs_gpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("G, D", [(1, 32), (3, 64), (4, 128), (8, 128), (5, 256)])
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_fused_matches_reference(dtype, G, D, accumulate):
+@pytest.mark.parametrize("accumulate, noise", [(False, None), (True, None), (True, "redraw"), (True, "frozen")])
+def test_fused_matches_reference(dtype, G, D, accumulate, noise):
     for i, (R, n, allocated, blocks) in enumerate([(1, 1, 1, None), (3, 77, 256, None), (8, 1000, 1280, 7),
                                                    (8, 16385, 16640, None)]):
         q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, dtype, seed=i)
         given = scores if accumulate else None
-        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, given, GPU, blocks=blocks)
-        want = reference_f32(q, keys, values, n, D**-0.5, given)
+        # the positions buffer may be longer than the keys' (the cache aligns only keys and values)
+        gumbel = None if noise is None else kernel.random_noise(R, G, allocated + 3, noise == "redraw", seed=i)
+        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, given, gumbel, GPU, blocks=blocks)
+        want = reference_f32(q, keys, values, n, D**-0.5, given, gumbel)
         assert got[0].dtype == dtype and got[1].shape == (R, G, n) and got[2].shape == (R, n)
         # float32 rounding of sums over up to 16k slots (the reference's own as much as the kernel's)
         for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (TOLERANCE[dtype], 1e-5, 1e-5)):

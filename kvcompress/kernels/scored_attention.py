@@ -24,6 +24,17 @@ per layer at 16k slots on the H200 against SDPA's 41). Here:
    exp(l - M_g) / L_g and writes their sum over the G heads, added to the given scores
    (ACCUMULATE: H2O's update in the same launch) or alone.
 
+Keyformer (NOISY): its scores' softmax is of (logit + zeta) / tau, zeta the Gumbel noise of
+kvcompress/methods/counter_hash.py (a hash of the head's noise stream, the step's query position and
+the key's true position, `GumbelNoise`). `attend` also keeps a running max and sum of those noisy
+logits per head (the lane holding a logit draws its noise: one hash and two logs), `finish` combines
+them and draws each slot's noise again (recomputed, not stored) for its probabilities, and adds
+them to the scores; the MLX noise chain, softmax and sums of a Keyformer step go. The noisy variant
+was written after the last GPU session: it compiles as C++ (tests/test_kernel_sources.py) and its
+reference is tested on the CPU, the kernels not yet on a GPU (tests/test_scored_attention.py's GPU
+cases cover it; the dispatch self-test guards it, and the cache falls back to the MLX noise ops
+where it fails).
+
 Two launches read the keys once, the values once and the [R, G, n] logits once (2 MiB at 16k
 slots x 8 rows x 4 heads against 32 MiB of fp16 keys). Keys and values are the cache's buffers as
 they are, [R, allocated, D] with the slots in use first: no slice, no copy. float32 accumulation;
@@ -47,9 +58,11 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import NamedTuple
 
 import mlx.core as mx
 
+from ..methods.counter_hash import gumbel_noise_from_streams, noise_streams
 from . import dispatch
 from .kivi_attention import CUDA_HEADER, METAL_HEADER
 
@@ -63,16 +76,31 @@ SLOTS_PER_FINISH_BLOCK = 1024
 # MLX reference
 
 
-def scored_attention_reference(q, keys, values, n: int, scale: float, scores=None):
+class GumbelNoise(NamedTuple):
+    """Keyformer's score transform for the kernels: the scores' softmax is of (logits + zeta) / tau,
+    zeta the Gumbel noise of kvcompress/methods/counter_hash.py for each (query head, key position)."""
+
+    streams: mx.array  # [R, G] uint32 noise streams of the query heads (counter_hash.noise_streams)
+    positions: mx.array  # [R, >= n] int32 true positions of the slots (a buffer: the first n are read)
+    query_position: int | None  # the step's query position (noise redrawn every step); None: frozen noise
+    tau: float
+
+
+def scored_attention_reference(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None):
     """q [R, G, D]; keys, values [R, >= n, D] (the first n slots are used); scores [R, n] float32 or None.
 
     Returns (out [R, G, D] in q's dtype, logits [R, G, n] float32, sums [R, n] float32) where
-    probs = softmax(logits) over the slots, sums = probs summed over the G heads (+ scores if given).
+    probs = softmax(logits) over the slots gives the output, and sums are the scores' probabilities
+    summed over the G heads (+ scores if given): probs, or with `noise` softmax((logits + zeta) / tau).
     """
     k, v = keys[:, :n], values[:, :n]
     logits = ((q * scale).astype(k.dtype) @ k.swapaxes(1, 2)).astype(mx.float32)  # [R, G, n]
     probs = mx.softmax(logits, axis=-1, precise=True)
     out = (probs.astype(v.dtype) @ v).astype(q.dtype)  # [R, G, D]
+    if noise is not None:
+        steps = None if noise.query_position is None else mx.array([noise.query_position], mx.int32)
+        zeta = gumbel_noise_from_streams(noise.streams, steps, noise.positions[:, :n], fused=False)[:, :, 0]
+        probs = mx.softmax((logits + zeta) / noise.tau, axis=-1, precise=True)
     sums = probs.sum(axis=1)
     return out, logits, sums if scores is None else scores + sums
 
@@ -94,6 +122,7 @@ _ATTEND_BODY = """
     const int per_block = dims[2];
     const int nb = dims[3];
     const float scale = params[0];
+    const float tau = params[1];
     const float log2e = 1.4426950408889634f;
     const int lane = tid % 32;
     const int warp = tid / 32;
@@ -103,6 +132,9 @@ _ATTEND_BODY = """
     const int my_u = idx / GP;
     const int my_g = idx % GP;
     const bool writer = (lane & ((1 << SHIFT) - 1)) == 0;
+    // NOISY (Keyformer): the scores' softmax is of (logit + Gumbel noise) / tau, the noise a hash of
+    // this step's stream of the head and the key's true position (kvcompress/methods/counter_hash.py)
+    const unsigned int step_hash = NOISY && my_g < G ? mix32(streams[row * G + my_g] ^ (unsigned int)noise_dims[0]) : 0u;
 
     float qv[G][C];
     KV_UNROLL for (int g = 0; g < G; ++g) {
@@ -113,6 +145,7 @@ _ATTEND_BODY = """
         KV_UNROLL for (int c = 0; c < C; ++c) acc[g][c] = 0.0f;
     }
     float run_max = NEG_INF, run_sum = 0.0f;  // of head my_g (every lane of that head agrees)
+    float noisy_max = NEG_INF, noisy_sum = 0.0f;  // NOISY: the same for the noisy logits
     KV_SHARED float shared_p[NW * V];  // a warp step's probabilities, index u * GP + g
     KV_SHARED float shared_rescale[NW * GP];
     const int start = blk * per_block;
@@ -165,6 +198,17 @@ _ATTEND_BODY = """
         KV_UNROLL for (int m = 1 << (LG + SHIFT); m < 32; m *= 2) added += SHFL_XOR(added, m);
         run_max = top;
         run_sum = run_sum * rescale + added;
+        if (NOISY) {
+            const float y = valid ? (s + gumbel(step_hash, (unsigned int)positions[row * (long)noise_dims[1] + t0 + my_u])) / tau : NEG_INF;
+            float y_top = y;
+            KV_UNROLL for (int m = 1 << (LG + SHIFT); m < 32; m *= 2) y_top = FMAX(y_top, SHFL_XOR(y_top, m));
+            y_top = FMAX(y_top, noisy_max);
+            const float y_base = y_top == NEG_INF ? 0.0f : y_top;
+            float y_added = EXP2((y - y_base) * log2e);
+            KV_UNROLL for (int m = 1 << (LG + SHIFT); m < 32; m *= 2) y_added += SHFL_XOR(y_added, m);
+            noisy_sum = noisy_sum * EXP2((noisy_max - y_base) * log2e) + y_added;
+            noisy_max = y_top;
+        }
         if (writer) {
             shared_p[warp * V + idx] = p;
             if (my_u == 0) shared_rescale[warp * GP + my_g] = rescale;
@@ -186,10 +230,14 @@ _ATTEND_BODY = """
     // the block's warps meet in shared memory: (max, sum) per head, then the outputs
     KV_SHARED float w_max[NW * G];
     KV_SHARED float w_sum[NW * G];
+    KV_SHARED float w_noisy_max[NW * G];
+    KV_SHARED float w_noisy_sum[NW * G];
     KV_SHARED float w_acc[NW * G * D];
     if (writer && my_u == 0 && my_g < G) {
         w_max[warp * G + my_g] = run_max;
         w_sum[warp * G + my_g] = run_sum;
+        w_noisy_max[warp * G + my_g] = noisy_max;
+        w_noisy_sum[warp * G + my_g] = noisy_sum;
     }
     KV_UNROLL for (int g = 0; g < G; ++g) {
         KV_UNROLL for (int c = 0; c < C; ++c) w_acc[(warp * G + g) * D + c * 32 + lane] = acc[g][c];
@@ -208,32 +256,56 @@ _ATTEND_BODY = """
         }
         part[part_row * D + i] = o;
         if (i % D == 0) {
-            stats[(part_row + g) * 2] = top;
-            stats[(part_row + g) * 2 + 1] = total;
+            stats[(part_row + g) * 4] = top;
+            stats[(part_row + g) * 4 + 1] = total;
+            float noisy_top = NEG_INF, noisy_total = 0.0f;
+            if (NOISY) {
+                for (int w = 0; w < NW; ++w) noisy_top = FMAX(noisy_top, w_noisy_max[w * G + g]);
+                for (int w = 0; w < NW; ++w) {
+                    const float m = w_noisy_max[w * G + g];
+                    noisy_total += m == NEG_INF ? 0.0f : EXP2((m - noisy_top) * log2e) * w_noisy_sum[w * G + g];
+                }
+            }
+            stats[(part_row + g) * 4 + 2] = noisy_top;
+            stats[(part_row + g) * 4 + 3] = noisy_total;
         }
     }
 """
 
 _FINISH_BODY = """
     const int n = dims[0];
+    const int allocated = dims[1];
     const int nb = dims[3];
+    const float tau = params[1];
     const float log2e = 1.4426950408889634f;
     const int lane = tid % 32;
     const int warp = tid / 32;
     KV_SHARED float final_max[G];
     KV_SHARED float inv_sum[G];
+    KV_SHARED float noisy_max[G];  // NOISY: the scores' softmax (of the noisy logits) instead
+    KV_SHARED float noisy_inv_sum[G];
     const long part_row = row * (long)nb * G;
     if (warp < G) {  // warp g: the softmax's max and sum for head g, the lanes striding the partials
         const int g = warp;
-        float top = NEG_INF;
-        for (int b = lane; b < nb; b += 32) top = FMAX(top, stats[(part_row + b * G + g) * 2]);
-        KV_UNROLL for (int off = 16; off > 0; off /= 2) top = FMAX(top, SHFL_XOR(top, off));
-        float total = 0.0f;
-        for (int b = lane; b < nb; b += 32) total += EXP2((stats[(part_row + b * G + g) * 2] - top) * log2e) * stats[(part_row + b * G + g) * 2 + 1];
-        KV_UNROLL for (int off = 16; off > 0; off /= 2) total += SHFL_XOR(total, off);
-        if (lane == 0) {
-            final_max[g] = top;
-            inv_sum[g] = 1.0f / total;
+        KV_UNROLL for (int k = 0; k < (NOISY ? 2 : 1); ++k) {  // k 1: the noisy logits' softmax
+            float top = NEG_INF;
+            for (int b = lane; b < nb; b += 32) top = FMAX(top, stats[(part_row + b * G + g) * 4 + 2 * k]);
+            KV_UNROLL for (int off = 16; off > 0; off /= 2) top = FMAX(top, SHFL_XOR(top, off));
+            float total = 0.0f;
+            for (int b = lane; b < nb; b += 32) {
+                const float m = stats[(part_row + b * G + g) * 4 + 2 * k];
+                total += m == NEG_INF ? 0.0f : EXP2((m - top) * log2e) * stats[(part_row + b * G + g) * 4 + 2 * k + 1];
+            }
+            KV_UNROLL for (int off = 16; off > 0; off /= 2) total += SHFL_XOR(total, off);
+            if (lane == 0) {
+                if (k == 0) {
+                    final_max[g] = top;
+                    inv_sum[g] = 1.0f / total;
+                } else {
+                    noisy_max[g] = top;
+                    noisy_inv_sum[g] = 1.0f / total;
+                }
+            }
         }
     }
     KV_BARRIER();
@@ -244,18 +316,26 @@ _FINISH_BODY = """
         int b = 0;
         for (; b + 4 <= nb; b += 4) {
             KV_UNROLL for (int k = 0; k < 4; ++k) {
-                o[k] += EXP2((stats[(part_row + (b + k) * G + g) * 2] - final_max[g]) * log2e) * part[(part_row + (b + k) * G) * D + i];
+                o[k] += EXP2((stats[(part_row + (b + k) * G + g) * 4] - final_max[g]) * log2e) * part[(part_row + (b + k) * G) * D + i];
             }
         }
-        for (; b < nb; ++b) o[0] += EXP2((stats[(part_row + b * G + g) * 2] - final_max[g]) * log2e) * part[(part_row + b * G) * D + i];
+        for (; b < nb; ++b) o[0] += EXP2((stats[(part_row + b * G + g) * 4] - final_max[g]) * log2e) * part[(part_row + b * G) * D + i];
         out[row * G * D + i] = (T)((o[0] + o[1] + (o[2] + o[3])) * inv_sum[g]);
     }
+    unsigned int step_hash[G];
+    KV_UNROLL for (int g = 0; g < G; ++g) step_hash[g] = NOISY ? mix32(streams[row * G + g] ^ (unsigned int)noise_dims[0]) : 0u;
     const int first = blk * SLOTS_PER_BLOCK;
     const int last = min(n, first + SLOTS_PER_BLOCK);
     for (int j = first + tid; j < last; j += NT) {
         float total = ACCUMULATE ? scores[row * (long)n + j] : 0.0f;
+        const unsigned int position = NOISY ? (unsigned int)positions[row * (long)noise_dims[1] + j] : 0u;
         KV_UNROLL for (int g = 0; g < G; ++g) {
-            total += EXP2((logits[(row * G + g) * (long)n + j] - final_max[g]) * log2e) * inv_sum[g];
+            const float logit = logits[(row * G + g) * (long)n + j];
+            if (NOISY) {
+                total += EXP2(((logit + gumbel(step_hash[g], position)) / tau - noisy_max[g]) * log2e) * noisy_inv_sum[g];
+            } else {
+                total += EXP2((logit - final_max[g]) * log2e) * inv_sum[g];
+            }
         }
         sums[row * (long)n + j] = total;
     }
@@ -266,19 +346,44 @@ _INDEX = {
     "metal": "const int tid = (int)thread_position_in_threadgroup.x; const int blk = (int)threadgroup_position_in_grid.x;"
              " const long row = (long)threadgroup_position_in_grid.y;\n",
 }
-_WARP_SYNC = {"cuda": "#define WARP_SYNC() __syncwarp()\n",
-              "metal": "#define WARP_SYNC() simdgroup_barrier(mem_flags::mem_threadgroup)\n"}
+# Per backend: a warp barrier, and Keyformer's noise exactly as counter_hash.py draws it (the
+# "lowbias32" finalizer on uint32, u from the hash's top 24 bits, kept below 1, zeta = -log(-log(u)))
+_EXTRA_HEADER = {
+    "cuda": """
+#define WARP_SYNC() __syncwarp()
+__device__ __forceinline__ unsigned int mix32(unsigned int x) {
+    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; return x ^ (x >> 16);
+}
+__device__ __forceinline__ float gumbel(unsigned int step_hash, unsigned int position) {
+    const unsigned int h = mix32(step_hash ^ position);
+    const float u = fminf(((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f), 1.0f - 5.9604644775390625e-08f);
+    return -logf(-logf(u));
+}
+""",
+    "metal": """
+#define WARP_SYNC() simdgroup_barrier(mem_flags::mem_threadgroup)
+inline unsigned int mix32(unsigned int x) {
+    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; return x ^ (x >> 16);
+}
+inline float gumbel(unsigned int step_hash, unsigned int position) {
+    const unsigned int h = mix32(step_hash ^ position);
+    const float u = metal::fmin(((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f), 1.0f - 5.9604644775390625e-08f);
+    return -metal::precise::log(-metal::precise::log(u));
+}
+""",
+}
 _kernels: dict[tuple[str, str], object] = {}
 
 
 def _kernel(which: str, backend: str):
     key = (which, backend)
     if key not in _kernels:
+        noise = ["streams", "positions", "noise_dims"]
         if which == "attend":
-            inputs, outputs, body = ["q", "keys", "values", "dims", "params"], ["logits", "part", "stats"], _ATTEND_BODY
+            inputs, outputs, body = ["q", "keys", "values", "dims", "params", *noise], ["logits", "part", "stats"], _ATTEND_BODY
         else:
-            inputs, outputs, body = ["part", "stats", "logits", "scores", "dims"], ["out", "sums"], _FINISH_BODY
-        header = (CUDA_HEADER if backend == "cuda" else METAL_HEADER) + _WARP_SYNC[backend] + (
+            inputs, outputs, body = ["part", "stats", "logits", "scores", "dims", "params", *noise], ["out", "sums"], _FINISH_BODY
+        header = (CUDA_HEADER if backend == "cuda" else METAL_HEADER) + _EXTRA_HEADER[backend] + (
             f"#define SLOTS_PER_BLOCK {SLOTS_PER_FINISH_BLOCK}\n")
         source = _INDEX[backend] + body
         # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
@@ -309,29 +414,39 @@ def _constant(values: tuple, dtype) -> mx.array:
     return _small_arrays[key]
 
 
-def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, backend: str = "cuda",
-                           blocks: int | None = None):
-    """The two kernels; the same contract as `scored_attention_reference`."""
+def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None,
+                           backend: str = "cuda", blocks: int | None = None):
+    """The two kernels; the same contract as `scored_attention_reference` for supported inputs."""
     R, G, D = q.shape
     allocated = keys.shape[1]
     nb = blocks or default_blocks(n, R)
     per_block = -(-n // nb)
     nb = -(-n // per_block)
     dims = _constant((n, allocated, per_block, nb), mx.int32)
-    template = [("T", q.dtype), ("D", D), ("G", G), ("NT", THREADS)]
+    if noise is None:
+        params = _constant((scale, 1.0), mx.float32)
+        noise_inputs = [_constant((0,), mx.uint32), _constant((0,), mx.int32), _constant((0, 0), mx.int32)]
+    else:
+        params = _constant((scale, noise.tau), mx.float32)
+        step = 0 if noise.query_position is None else (noise.query_position + 1) % 2**32  # as counter_hash
+        # noise_dims: the step's hash input (uint32 bits as int32) and the positions' row stride
+        noise_dims = _constant((step - 2**32 if step >= 2**31 else step, noise.positions.shape[1]), mx.int32)
+        noise_inputs = [noise.streams, noise.positions, noise_dims]
+    flags = [("NOISY", noise is not None)]
     logits, part, stats = _kernel("attend", backend)(
-        inputs=[q, keys, values, dims, _constant((scale,), mx.float32)],
-        template=template,
+        inputs=[q, keys, values, dims, params, *noise_inputs],
+        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", THREADS), *flags],
         grid=(nb * THREADS, R, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(R, G, n), (R, nb, G, D), (R, nb, G, 2)],
+        output_shapes=[(R, G, n), (R, nb, G, D), (R, nb, G, 4)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     # enough blocks for every slot and for the G * D outputs (one thread each)
     finish_blocks = max(-(-n // SLOTS_PER_FINISH_BLOCK), -(-G * D // FINISH_THREADS))
     out, sums = _kernel("finish", backend)(
-        inputs=[part, stats, logits, scores if scores is not None else _constant((0.0,), mx.float32), dims],
-        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", FINISH_THREADS), ("ACCUMULATE", scores is not None)],
+        inputs=[part, stats, logits, scores if scores is not None else _constant((0.0,), mx.float32), dims, params,
+                *noise_inputs],
+        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", FINISH_THREADS), ("ACCUMULATE", scores is not None), *flags],
         grid=(finish_blocks * FINISH_THREADS, R, 1),
         threadgroup=(FINISH_THREADS, 1, 1),
         output_shapes=[(R, G, D), (R, n)],
@@ -348,12 +463,15 @@ def shape_supported(group: int, head_dim: int, query_dtype, kv_dtype) -> bool:
     )
 
 
-def supported(q, keys, values, n: int, scores=None) -> bool:
+def supported(q, keys, values, n: int, scores=None, noise: GumbelNoise | None = None) -> bool:
     R, G, D = q.shape
     return (
         shape_supported(G, D, q.dtype, keys.dtype) and n >= 1 and keys.dtype == values.dtype
         and keys.shape == values.shape and keys.shape[0] == R and keys.shape[2] == D and keys.shape[1] >= n
         and (scores is None or (scores.shape == (R, n) and scores.dtype == mx.float32))
+        and (noise is None or (scores is not None and noise.streams.shape == (R, G) and noise.streams.dtype == mx.uint32
+                               and noise.positions.dtype == mx.int32 and noise.positions.shape[0] == R
+                               and noise.positions.shape[1] >= n))
     )
 
 
@@ -371,31 +489,49 @@ def random_case(R: int, G: int, D: int, n: int, allocated: int, dtype, seed: int
     return q, keys, values, scores
 
 
+def random_noise(R: int, G: int, allocated: int, redraw: bool = True, seed: int = 0) -> GumbelNoise:
+    """Keyformer-like noise: the streams of layer `seed`, slots holding shuffled true positions."""
+    positions = mx.argsort(mx.random.uniform(shape=(R, allocated), key=mx.random.key(seed)), axis=1).astype(mx.int32)
+    streams = noise_streams(seed, 3, mx.arange(R * G, dtype=mx.uint32).reshape(R, G))
+    return GumbelNoise(streams, positions, allocated + 17 if redraw else None, 1.37)
+
+
 def _selftest(backend: str, dtype, variant: tuple) -> None:
-    G, D, accumulate = variant
+    G, D, accumulate, noisy = variant
     q, keys, values, scores = random_case(3, G, D, 1000, 1100, dtype, seed=1)
     given = scores if accumulate else None
-    got = scored_attention_fused(q, keys, values, 1000, D**-0.5, given, backend, blocks=5)
+    noise = random_noise(3, G, 1100, seed=2) if noisy else None
+    got = scored_attention_fused(q, keys, values, 1000, D**-0.5, given, noise, backend, blocks=5)
     with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
         want = scored_attention_reference(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
-                                          1000, D**-0.5, given)
+                                          1000, D**-0.5, given, noise)
         mx.eval(want)
     tolerance = _SELFTEST_TOLERANCE[dtype]
     for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (tolerance, 1e-5, 1e-5)):
         dispatch.assert_close(a, b, tol, f"scored_attention self-test ({what})")
 
 
-def scored_attention(q, keys, values, n: int, scale: float, scores=None):
+def _backend(q, accumulate: bool, noisy: bool) -> str | None:
+    variant = (q.shape[1], q.shape[2], accumulate, noisy)
+    return dispatch.select("scored_attention", q.dtype, variant, lambda b: _selftest(b, q.dtype, variant))
+
+
+def fuses_noise(q) -> bool:
+    """Whether `scored_attention` with scores and noise runs fused for queries like q [R, G, D] here
+    (self-test on first use): callers that have a faster route than the reference use it otherwise."""
+    return shape_supported(q.shape[1], q.shape[2], q.dtype, q.dtype) and _backend(q, True, True) is not None
+
+
+def scored_attention(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None):
     """Decode attention with scores: the fused kernels where they apply and passed their self-test
     on this machine, else the MLX reference (see the module docstring)."""
-    if supported(q, keys, values, n, scores):
-        variant = (q.shape[1], q.shape[2], scores is not None)
-        backend = dispatch.select("scored_attention", q.dtype, variant, lambda b: _selftest(b, q.dtype, variant))
+    if supported(q, keys, values, n, scores, noise):
+        backend = _backend(q, scores is not None, noise is not None)
         if backend is not None:
-            return scored_attention_fused(q, keys, values, n, scale, scores, backend)
+            return scored_attention_fused(q, keys, values, n, scale, scores, noise, backend)
     else:
         dispatch.record_reference("scored_attention", q.dtype)
-    return scored_attention_reference(q, keys, values, n, scale, scores)
+    return scored_attention_reference(q, keys, values, n, scale, scores, noise)
 
 
 assert math.isclose(1.4426950408889634, math.log2(math.e))

@@ -66,7 +66,7 @@ from mlx_lm.models.cache import create_attention_mask
 from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
-from ..kernels.scored_attention import scored_attention
+from ..kernels.scored_attention import fuses_noise, scored_attention
 from ..kernels.scored_attention import shape_supported as scored_attention_supported
 from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
 from .prompt_scores import accumulated_attention, folded_logits
@@ -153,6 +153,11 @@ class Eviction(Method):
     def score_step(self, cache, probs):
         """"replace": new scores [R, n] from this step's attention probabilities [R, G, S, n]."""
         raise NotImplementedError
+
+    def kernel_noise(self, cache, rows: int, group: int):
+        """"accumulate": where `transform` is (logits + Gumbel noise) / tau (Keyformer), this step's
+        noise and tau as kernels/scored_attention.GumbelNoise, so the GPU kernels apply it; else None."""
+        return None
 
     def score_step_sums(self, cache, sums, group: int):
         """"replace", one query: new scores [R, n] from its probabilities summed over the G = `group`
@@ -344,15 +349,22 @@ class EvictionCache(CompressedCache):
         `score_queries` overridden), the same launch adds them to the scores."""
         B, n_q, S, D = queries.shape
         R, G, n = q.shape[0], q.shape[1], self.length
+        q = q.reshape(R, G, D)
         plain = decode == "accumulate" and self._plain_scores()
-        out, logits, sums = scored_attention(q.reshape(R, G, D), self._keys, self._values, n, scale,
-                                             self.scores if plain else None)
-        if plain:
+        # Keyformer: its noisy softmax in the kernels too, where they run it (else the MLX ops below)
+        noise = self.scorer.kernel_noise(self, R, G) if decode == "accumulate" and not plain else None
+        if noise is not None and self.fuse_scores is None and not fuses_noise(q):
+            noise = None
+        accumulate = plain or noise is not None
+        out, logits, sums = scored_attention(q, self._keys, self._values, n, scale, self.scores if accumulate else None,
+                                             noise)
+        if accumulate:
             self._scores = sums
         elif decode == "accumulate":
             logits = logits[:, :, None]  # [R, G, 1, n]
             query_positions = mx.arange(self.position - 1, self.position, dtype=mx.int32)
-            self._scores = self.scores + self._step_increments(q, new_keys, logits, None, query_positions, scale, sums)
+            self._scores = self.scores + self._step_increments(q[:, :, None], new_keys, logits, None, query_positions,
+                                                               scale, sums)
         else:
             self._scores = self.scorer.score_step_sums(self, sums, G)
         self._evict_down()

@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import check, is_int
+from ..kernels.scored_attention import GumbelNoise
 from .counter_hash import gumbel_noise_from_streams, noise_streams
 from .eviction import Eviction
 
@@ -117,6 +118,13 @@ class Keyformer(Eviction):
             return logits
         noise = self._noise(cache, *logits.shape[:2], query_positions, key_positions)  # [R, G, L|1, n]
         return (logits + noise) / self._tau_at(cache, query_positions)
+
+    def kernel_noise(self, cache, rows, group):
+        if self.score == "proxy":
+            return None
+        query_position = cache.position - 1  # a decode step's one query
+        return GumbelNoise(_streams(self.seed, cache.layer, rows, group), cache._positions,
+                           None if self.noise == "frozen" else query_position, self._step_tau(cache, query_position))
 
     def score_queries(self, cache, queries, new_keys):
         return new_keys[:, None] if self.score == "proxy" else queries

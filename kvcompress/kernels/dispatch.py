@@ -153,3 +153,18 @@ def assert_equal(got, want, what: str) -> None:
     for i, (a, b) in enumerate(zip(got, want)):
         if a.shape != b.shape or a.dtype != b.dtype or not mx.array_equal(a, b).item():
             raise AssertionError(f"{what}: output {i} differs from the reference")
+
+
+_constants: dict[tuple, mx.array] = {}
+
+
+def constant(values: tuple, dtype) -> mx.array:
+    """A small kernel argument array, one per distinct value rather than one per call: a decode step
+    launches each kernel once per layer with the same arguments, and an array the host has just
+    written costs a launch ~4 us more on the H200 (benchmarks/KIVI_GPU_NOTES.md, launch_cost.py)."""
+    key = (values, dtype)
+    if key not in _constants:
+        if len(_constants) > 4096:  # values that change every step (positions) come and go
+            _constants.clear()
+        _constants[key] = mx.array(list(values), dtype)
+    return _constants[key]

@@ -419,8 +419,9 @@ def _slot_kernel(backend: str):
 def evict_slot_fused(evict_by, positions, n_sink, recent_start, backend="cuda"):
     """`evict_slot_reference` as one GPU kernel (backend "cuda" or "metal")."""
     R = evict_by.shape[0]
-    # the bounds change every step: an input, not a template constant (no recompiling per step)
-    bounds = mx.array([int(n_sink), int(recent_start)], mx.int32)
+    # the bounds change every step: an input, not a template constant (no recompiling per step),
+    # shared by every layer of the step
+    bounds = dispatch.constant((int(n_sink), int(recent_start)), mx.int32)
     (slot,) = _slot_kernel(backend)(
         inputs=[evict_by.astype(mx.float32), positions.astype(mx.int32), bounds],
         grid=(SLOT_THREADS, R, 1),

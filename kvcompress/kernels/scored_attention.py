@@ -400,20 +400,6 @@ def default_blocks(n: int, rows: int) -> int:
     return max(1, min(-(-n // 64), -(-384 // rows)))
 
 
-_small_arrays: dict[tuple, mx.array] = {}
-
-
-def _constant(values: tuple, dtype) -> mx.array:
-    # one small array per distinct value, not one per call: a decode step calls this per layer, and
-    # an array the host has just written costs a GPU page fault on first use (benchmarks/launch_cost.py)
-    key = (values, dtype)
-    if key not in _small_arrays:
-        if len(_small_arrays) > 4096:
-            _small_arrays.clear()
-        _small_arrays[key] = mx.array(list(values), dtype)
-    return _small_arrays[key]
-
-
 def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None,
                            backend: str = "cuda", blocks: int | None = None):
     """The two kernels; the same contract as `scored_attention_reference` for supported inputs."""
@@ -422,15 +408,17 @@ def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, n
     nb = blocks or default_blocks(n, R)
     per_block = -(-n // nb)
     nb = -(-n // per_block)
-    dims = _constant((n, allocated, per_block, nb), mx.int32)
+    dims = dispatch.constant((n, allocated, per_block, nb), mx.int32)
     if noise is None:
-        params = _constant((scale, 1.0), mx.float32)
-        noise_inputs = [_constant((0,), mx.uint32), _constant((0,), mx.int32), _constant((0, 0), mx.int32)]
+        params = dispatch.constant((scale, 1.0), mx.float32)
+        # not read without noise: placeholders of the noise inputs' types
+        noise_inputs = [dispatch.constant((0,), mx.uint32), dispatch.constant((0,), mx.int32),
+                        dispatch.constant((0, 0), mx.int32)]
     else:
-        params = _constant((scale, noise.tau), mx.float32)
+        params = dispatch.constant((scale, noise.tau), mx.float32)
         step = 0 if noise.query_position is None else (noise.query_position + 1) % 2**32  # as counter_hash
         # noise_dims: the step's hash input (uint32 bits as int32) and the positions' row stride
-        noise_dims = _constant((step - 2**32 if step >= 2**31 else step, noise.positions.shape[1]), mx.int32)
+        noise_dims = dispatch.constant((step - 2**32 if step >= 2**31 else step, noise.positions.shape[1]), mx.int32)
         noise_inputs = [noise.streams, noise.positions, noise_dims]
     flags = [("NOISY", noise is not None)]
     logits, part, stats = _kernel("attend", backend)(
@@ -444,7 +432,7 @@ def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, n
     # enough blocks for every slot and for the G * D outputs (one thread each)
     finish_blocks = max(-(-n // SLOTS_PER_FINISH_BLOCK), -(-G * D // FINISH_THREADS))
     out, sums = _kernel("finish", backend)(
-        inputs=[part, stats, logits, scores if scores is not None else _constant((0.0,), mx.float32), dims, params,
+        inputs=[part, stats, logits, scores if scores is not None else dispatch.constant((0.0,), mx.float32), dims, params,
                 *noise_inputs],
         template=[("T", q.dtype), ("D", D), ("G", G), ("NT", FINISH_THREADS), ("ACCUMULATE", scores is not None), *flags],
         grid=(finish_blocks * FINISH_THREADS, R, 1),

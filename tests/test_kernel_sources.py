@@ -1,40 +1,20 @@
-"""The CUDA kernel sources compile as C++ on any machine with g++ (behind a shim that stands in for
-CUDA's built-ins: threads, shuffles and barriers do nothing here), so a syntax or type error in a
-kernel body shows on the CPU, before a GPU session. Only compiling: the numbers are checked on a GPU
-(tests/test_scored_attention.py). Skipped without g++."""
-
-import shutil
-import subprocess
+"""The CUDA kernel bodies of kvcompress/kernels/scored_attention.py on the CPU (tests/cuda_on_cpu.py:
+g++, one OS thread per GPU thread, shuffles and barriers emulated): they compile as C++, and run
+as written they give the MLX reference's numbers. A GPU still decides speed and the GPU math
+library's rounding (tests/test_scored_attention.py there). Skipped without g++."""
 
 import kvcompress  # noqa: F401  (BLAS preload before mlx)
+import mlx.core as mx
+import numpy as np
 import pytest
 
+import cuda_on_cpu
 from kvcompress.kernels import scored_attention as kernel
 from kvcompress.kernels.kivi_attention import CUDA_HEADER
 
-GXX = shutil.which("g++")
+pytestmark = pytest.mark.skipif(cuda_on_cpu.GXX is None, reason="needs g++")
 
-SHIM = r"""
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <algorithm>
-using std::min;
-struct dim3_ { unsigned int x, y, z; };
-extern dim3_ threadIdx, blockIdx, blockDim;
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-inline void __syncthreads() {}
-inline void __syncwarp() {}
-template <typename X> X __shfl_xor_sync(unsigned int, X v, int) { return v; }
-inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-inline float __uint_as_float(unsigned int i) { float f; std::memcpy(&f, &i, 4); return f; }
-struct __half { unsigned short bits; __half() {} __half(float) {} operator float() const { return 0.0f; } };
-"""
-
-# the signatures MLX generates for these kernels: inputs const, outputs after them, template parameters
+# the signatures MLX generates for these kernels: inputs const, then outputs, template parameters
 ATTEND = """
 template <typename T, int D, int G, int NT, bool NOISY>
 __global__ void attend(const T* q, const T* keys, const T* values, const int32_t* dims, const float* params,
@@ -51,32 +31,78 @@ __global__ void finish(const float* part, const float* stats, const float* logit
 %s
 }
 """
-ATTEND_ARGS = "(const {T}*, const {T}*, const {T}*, const int32_t*, const float*, const uint32_t*, const int32_t*, const int32_t*, float*, float*, float*)"
-FINISH_ARGS = "(const float*, const float*, const float*, const float*, const int32_t*, const float*, const uint32_t*, const int32_t*, const int32_t*, {T}*, float*)"
 
 
-@pytest.mark.skipif(GXX is None, reason="needs g++")
-def test_scored_attention_cuda_source_compiles_as_cpp(tmp_path):
+def kernels() -> str:
     header = CUDA_HEADER + kernel._EXTRA_HEADER["cuda"] + f"#define SLOTS_PER_BLOCK {kernel.SLOTS_PER_FINISH_BLOCK}\n"
-    source = SHIM + header + ATTEND % (kernel._INDEX["cuda"] + kernel._ATTEND_BODY)
-    source += FINISH % (kernel._INDEX["cuda"] + kernel._FINISH_BODY)
+    return (header + ATTEND % (kernel._INDEX["cuda"] + kernel._ATTEND_BODY)
+            + FINISH % (kernel._INDEX["cuda"] + kernel._FINISH_BODY))
+
+
+def test_cuda_source_compiles_as_cpp(tmp_path):
+    source = kernels()
     for T, D, G, noisy in (("__half", 128, 4, "true"), ("float", 64, 3, "false"), ("float", 256, 8, "true"),
                            ("__half", 32, 1, "false")):
-        source += f"template void attend<{T}, {D}, {G}, {kernel.THREADS}, {noisy}>{ATTEND_ARGS.format(T=T)};\n"
+        source += f"template void attend<{T}, {D}, {G}, {kernel.THREADS}, {noisy}>(const {T}*, const {T}*, const {T}*, " \
+                  "const int32_t*, const float*, const uint32_t*, const int32_t*, const int32_t*, float*, float*, float*);\n"
         for accumulate in ("true", "false"):
-            source += (f"template void finish<{T}, {D}, {G}, {kernel.FINISH_THREADS}, {accumulate}, {noisy}>"
-                       f"{FINISH_ARGS.format(T=T)};\n")
-    path = tmp_path / "scored_attention.cpp"
-    path.write_text(source)
-    result = subprocess.run([GXX, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-Wno-unknown-pragmas",
-                             "-Wno-unused-variable", "-Wno-unused-but-set-variable", str(path)],
-                            capture_output=True, text=True)
+            source += f"template void finish<{T}, {D}, {G}, {kernel.FINISH_THREADS}, {accumulate}, {noisy}>(const float*, " \
+                      "const float*, const float*, const float*, const int32_t*, const float*, const uint32_t*, " \
+                      f"const int32_t*, const int32_t*, {T}*, float*);\n"
+    result = cuda_on_cpu.compile_only(source, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.skipif(GXX is None, reason="needs g++")
-def test_the_check_catches_a_broken_source(tmp_path, monkeypatch):
+def test_the_compile_check_catches_a_broken_source(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel, "_FINISH_BODY", kernel._FINISH_BODY.replace("noisy_inv_sum[g] = 1.0f / total;",
                                                                             "noisy_inv_sum[g] = 1.0f / totl;"))
     with pytest.raises(AssertionError, match="totl"):
-        test_scored_attention_cuda_source_compiles_as_cpp(tmp_path)
+        test_cuda_source_compiles_as_cpp(tmp_path)
+
+
+def run_on_cpu(q, keys, values, n, scale, scores, noise, blocks, workdir):
+    """The two launches as scored_attention_fused makes them, float32, through cuda_on_cpu."""
+    R, G, D = q.shape
+    plan = kernel.launch_plan(n, R, G, D, keys.shape[1], scale, noise, blocks)
+    noisy, accumulate = str(noise is not None).lower(), str(scores is not None).lower()
+    inputs = {
+        "q": np.array(q), "keys": np.array(keys), "values": np.array(values),
+        "dims": np.array(plan.dims, np.int32), "params": np.array(plan.params, np.float32),
+        "streams": np.array(noise.streams) if noise else np.zeros(1, np.uint32),
+        "positions": np.array(noise.positions) if noise else np.zeros(1, np.int32),
+        "noise_dims": np.array(plan.noise_dims, np.int32),
+        "scores": np.array(scores) if scores is not None else np.zeros(1, np.float32),
+    }
+    nb = plan.chunks
+    outputs = {"logits": (R * G * n, np.float32), "part": (R * nb * G * D, np.float32), "stats": (R * nb * G * 4, np.float32),
+               "out": (R * G * D, np.float32), "sums": (R * n, np.float32)}
+    launches = [
+        (f"attend<float, {D}, {G}, {kernel.THREADS}, {noisy}>", nb, R, kernel.THREADS,
+         ["q", "keys", "values", "dims", "params", "streams", "positions", "noise_dims", "logits", "part", "stats"]),
+        (f"finish<float, {D}, {G}, {kernel.FINISH_THREADS}, {accumulate}, {noisy}>", plan.finish_blocks, R,
+         kernel.FINISH_THREADS, ["part", "stats", "logits", "scores", "dims", "params", "streams", "positions",
+                                 "noise_dims", "out", "sums"]),
+    ]
+    got = cuda_on_cpu.run(kernels(), launches, inputs, outputs, workdir)
+    return got["out"].reshape(R, G, D), got["logits"].reshape(R, G, n), got["sums"].reshape(R, n)
+
+
+@pytest.mark.parametrize("G, D, accumulate, noise", [(4, 64, True, None), (3, 32, False, None), (1, 32, False, None),
+                                                     (4, 64, True, "redraw"), (3, 32, True, "frozen"),
+                                                     (8, 64, True, "redraw")])
+def test_cuda_source_run_on_cpu_matches_reference(tmp_path, G, D, accumulate, noise):
+    R, n, allocated = 2, 150, 170  # slots past n hold garbage the kernels must not read
+    q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, mx.float32, seed=G + D)
+    given = scores if accumulate else None
+    gumbel = None if noise is None else kernel.random_noise(R, G, allocated + 3, noise == "redraw", seed=G)
+    got = run_on_cpu(q, keys, values, n, D**-0.5, given, gumbel, 3, tmp_path)
+    want = kernel.scored_attention_reference(q, keys, values, n, D**-0.5, given, gumbel)
+    for what, a, b in zip(("output", "logits", "sums"), got, want):
+        np.testing.assert_allclose(a, np.array(b), rtol=2e-5, atol=1e-6, err_msg=what)
+
+
+def test_the_run_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
+    """A wrong normalization of the noisy probabilities (the plain softmax's max instead) fails."""
+    monkeypatch.setattr(kernel, "_FINISH_BODY", kernel._FINISH_BODY.replace("/ tau - noisy_max[g]", "/ tau - final_max[g]"))
+    with pytest.raises(AssertionError, match="sums"):
+        test_cuda_source_run_on_cpu_matches_reference(tmp_path, 4, 64, True, "redraw")

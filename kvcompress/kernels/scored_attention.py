@@ -30,10 +30,11 @@ the key's true position, `GumbelNoise`). `attend` also keeps a running max and s
 logits per head (the lane holding a logit draws its noise: one hash and two logs), `finish` combines
 them and draws each slot's noise again (recomputed, not stored) for its probabilities, and adds
 them to the scores; the MLX noise chain, softmax and sums of a Keyformer step go. The noisy variant
-was written after the last GPU session: it compiles as C++ (tests/test_kernel_sources.py) and its
-reference is tested on the CPU, the kernels not yet on a GPU (tests/test_scored_attention.py's GPU
-cases cover it; the dispatch self-test guards it, and the cache falls back to the MLX noise ops
-where it fails).
+was written after the last GPU session: the kernels' CUDA source runs on the CPU (tests/
+cuda_on_cpu.py: g++, a thread per GPU thread, shuffles and barriers emulated) and matches the
+reference there (tests/test_kernel_sources.py, as the plain variant does); not yet run on a GPU
+(tests/test_scored_attention.py's GPU cases cover it; the dispatch self-test guards it, and the
+cache keeps the MLX noise ops where it does not pass).
 
 Two launches read the keys once, the values once and the [R, G, n] logits once (2 MiB at 16k
 slots x 8 rows x 4 heads against 32 MiB of fp16 keys). Keys and values are the cache's buffers as
@@ -400,42 +401,56 @@ def default_blocks(n: int, rows: int) -> int:
     return max(1, min(-(-n // 64), -(-384 // rows)))
 
 
+class LaunchPlan(NamedTuple):
+    """Everything the two launches take besides the arrays: small int/float arguments and grids."""
+
+    dims: tuple  # int32: slots n, allocated slots, slots per chunk, chunks per row nb
+    params: tuple  # float32: softmax scale, tau (1 without noise)
+    noise_dims: tuple  # int32: the step's hash input (uint32 bits as int32), the positions' row stride
+    chunks: int  # `attend` blocks per row
+    finish_blocks: int  # `finish` blocks per row
+
+
+def launch_plan(n: int, rows: int, group: int, head_dim: int, allocated: int, scale: float,
+                noise: GumbelNoise | None = None, blocks: int | None = None) -> LaunchPlan:
+    nb = blocks or default_blocks(n, rows)
+    per_block = -(-n // nb)
+    nb = -(-n // per_block)
+    if noise is None:
+        params, noise_dims = (scale, 1.0), (0, 0)
+    else:
+        step = 0 if noise.query_position is None else (noise.query_position + 1) % 2**32  # as counter_hash
+        params, noise_dims = (scale, noise.tau), (step - 2**32 if step >= 2**31 else step, noise.positions.shape[1])
+    # enough `finish` blocks for every slot and for the G * D outputs (one thread each)
+    finish_blocks = max(-(-n // SLOTS_PER_FINISH_BLOCK), -(-group * head_dim // FINISH_THREADS))
+    return LaunchPlan((n, allocated, per_block, nb), params, noise_dims, nb, finish_blocks)
+
+
 def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None,
                            backend: str = "cuda", blocks: int | None = None):
     """The two kernels; the same contract as `scored_attention_reference` for supported inputs."""
     R, G, D = q.shape
-    allocated = keys.shape[1]
-    nb = blocks or default_blocks(n, R)
-    per_block = -(-n // nb)
-    nb = -(-n // per_block)
-    dims = dispatch.constant((n, allocated, per_block, nb), mx.int32)
-    if noise is None:
-        params = dispatch.constant((scale, 1.0), mx.float32)
-        # not read without noise: placeholders of the noise inputs' types
-        noise_inputs = [dispatch.constant((0,), mx.uint32), dispatch.constant((0,), mx.int32),
-                        dispatch.constant((0, 0), mx.int32)]
+    plan = launch_plan(n, R, G, D, keys.shape[1], scale, noise, blocks)
+    dims, params = dispatch.constant(plan.dims, mx.int32), dispatch.constant(plan.params, mx.float32)
+    noise_dims = dispatch.constant(plan.noise_dims, mx.int32)
+    if noise is None:  # not read: placeholders of the noise inputs' types
+        noise_inputs = [dispatch.constant((0,), mx.uint32), dispatch.constant((0,), mx.int32), noise_dims]
     else:
-        params = dispatch.constant((scale, noise.tau), mx.float32)
-        step = 0 if noise.query_position is None else (noise.query_position + 1) % 2**32  # as counter_hash
-        # noise_dims: the step's hash input (uint32 bits as int32) and the positions' row stride
-        noise_dims = dispatch.constant((step - 2**32 if step >= 2**31 else step, noise.positions.shape[1]), mx.int32)
         noise_inputs = [noise.streams, noise.positions, noise_dims]
     flags = [("NOISY", noise is not None)]
     logits, part, stats = _kernel("attend", backend)(
         inputs=[q, keys, values, dims, params, *noise_inputs],
         template=[("T", q.dtype), ("D", D), ("G", G), ("NT", THREADS), *flags],
-        grid=(nb * THREADS, R, 1),
+        grid=(plan.chunks * THREADS, R, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(R, G, n), (R, nb, G, D), (R, nb, G, 4)],
+        output_shapes=[(R, G, n), (R, plan.chunks, G, D), (R, plan.chunks, G, 4)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    # enough blocks for every slot and for the G * D outputs (one thread each)
-    finish_blocks = max(-(-n // SLOTS_PER_FINISH_BLOCK), -(-G * D // FINISH_THREADS))
     out, sums = _kernel("finish", backend)(
-        inputs=[part, stats, logits, scores if scores is not None else dispatch.constant((0.0,), mx.float32), dims, params,
-                *noise_inputs],
+        inputs=[part, stats, logits, scores if scores is not None else dispatch.constant((0.0,), mx.float32), dims,
+                params, *noise_inputs],
         template=[("T", q.dtype), ("D", D), ("G", G), ("NT", FINISH_THREADS), ("ACCUMULATE", scores is not None), *flags],
-        grid=(finish_blocks * FINISH_THREADS, R, 1),
+        grid=(plan.finish_blocks * FINISH_THREADS, R, 1),
         threadgroup=(FINISH_THREADS, 1, 1),
         output_shapes=[(R, G, D), (R, n)],
         output_dtypes=[q.dtype, mx.float32],

@@ -1,0 +1,143 @@
+"""Run a CUDA kernel body on the CPU: g++ and one OS thread per GPU thread.
+
+The body is compiled as C++ behind a shim that gives each thread its own `threadIdx` / `blockIdx`,
+makes `__shared__` arrays shared by the threads of a block (blocks run one after another), and
+implements warp shuffles, `__syncwarp` and `__syncthreads` with barriers. So the kernel's own index
+arithmetic, reductions and shared-memory traffic run as written, with the numbers checked against
+the MLX reference on machines without a GPU. What it cannot show: GPU speed, memory-model races
+that the barriers here hide, the GPU's math library (expf/logf here are glibc's).
+
+Only what the kernels in kvcompress/kernels use is shimmed (32-bit shuffles, barriers, a few
+float built-ins; `__half` is not: run the float32 instantiations).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+GXX = shutil.which("g++")
+
+# the declarations only: enough to compile a body without running it
+DECLARATIONS = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::min;
+struct dim3_ { unsigned int x, y, z; };
+thread_local dim3_ threadIdx, blockIdx;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned int i) { float f; std::memcpy(&f, &i, 4); return f; }
+struct __half { unsigned short bits; __half() {} __half(float) {} operator float() const { return 0.0f; } };
+"""
+
+RUNTIME = r"""
+struct Warp { std::unique_ptr<std::barrier<>> bar; uint32_t exchange[32]; };
+static std::vector<Warp> g_warps;
+static std::unique_ptr<std::barrier<>> g_block;
+thread_local int t_warp, t_lane;
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline void __syncwarp() { g_warps[t_warp].bar->arrive_and_wait(); }
+template <typename X> X __shfl_xor_sync(unsigned int, X v, int m) {
+    static_assert(sizeof(X) == 4, "32-bit shuffles only");
+    Warp& w = g_warps[t_warp];
+    std::memcpy(&w.exchange[t_lane], &v, 4);
+    w.bar->arrive_and_wait();
+    X r;
+    std::memcpy(&r, &w.exchange[t_lane ^ m], 4);
+    w.bar->arrive_and_wait();  // everyone has read before the next exchange is written
+    return r;
+}
+template <class F> void launch(int blocks_x, int blocks_y, int threads, F body) {
+    for (int y = 0; y < blocks_y; ++y) {
+        for (int x = 0; x < blocks_x; ++x) {
+            g_block = std::make_unique<std::barrier<>>(threads);
+            g_warps = std::vector<Warp>(threads / 32);
+            for (auto& w : g_warps) w.bar = std::make_unique<std::barrier<>>(32);
+            std::vector<std::thread> pool;
+            for (int t = 0; t < threads; ++t) {
+                pool.emplace_back([=] {
+                    threadIdx = {(unsigned)t, 0, 0};
+                    blockIdx = {(unsigned)x, (unsigned)y, 0};
+                    t_warp = t / 32;
+                    t_lane = t % 32;
+                    body();
+                });
+            }
+            for (auto& th : pool) th.join();
+        }
+    }
+}
+template <typename X> std::vector<X> load(const char* path) {
+    FILE* f = std::fopen(path, "rb");
+    std::fseek(f, 0, SEEK_END);
+    const long bytes = std::ftell(f);
+    std::fseek(f, 0, SEEK_SET);
+    std::vector<X> v(bytes / sizeof(X));
+    if (std::fread(v.data(), 1, bytes, f) != (size_t)bytes) std::abort();
+    std::fclose(f);
+    return v;
+}
+template <typename X> void save(const char* path, const std::vector<X>& v) {
+    FILE* f = std::fopen(path, "wb");
+    std::fwrite(v.data(), sizeof(X), v.size(), f);
+    std::fclose(f);
+}
+"""
+
+C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t"}
+
+
+def compile_only(source: str, workdir: Path) -> subprocess.CompletedProcess:
+    """g++ -fsyntax-only of kernels written after DECLARATIONS (their barriers and shuffles declared)."""
+    path = workdir / "kernels.cpp"
+    path.write_text(DECLARATIONS + "inline void __syncthreads() {}\ninline void __syncwarp() {}\n"
+                    "template <typename X> X __shfl_xor_sync(unsigned int, X v, int) { return v; }\n" + source)
+    return subprocess.run([GXX, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", "-Wno-unknown-pragmas",
+                           "-Wno-unused-variable", "-Wno-unused-but-set-variable", str(path)],
+                          capture_output=True, text=True)
+
+
+def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inputs: dict[str, np.ndarray],
+        outputs: dict[str, tuple[int, np.dtype]], workdir: Path) -> dict[str, np.ndarray]:
+    """Compile `kernels` (C++ kernel functions) and run `launches` in order on the CPU.
+
+    launches: (kernel call prefix, e.g. "attend<float, 64, 4, 128, true>", blocks x, blocks y, threads
+    per block, argument names); inputs: name -> array (written to disk, read back by the program);
+    outputs: name -> (element count, dtype), zero-initialized; an output may be the input of a later
+    launch. Returns the outputs."""
+    arrays = []
+    for name, a in inputs.items():
+        a = np.ascontiguousarray(a)
+        (workdir / f"{name}.bin").write_bytes(a.tobytes())
+        arrays.append(f'    auto {name} = load<{C_TYPES[a.dtype]}>("{workdir}/{name}.bin");')
+    for name, (count, dtype) in outputs.items():
+        arrays.append(f"    std::vector<{C_TYPES[np.dtype(dtype)]}> {name}({count});")
+    calls = []
+    for call, blocks_x, blocks_y, threads, args in launches:
+        pointers = ", ".join(f"{a}.data()" for a in args)
+        calls.append(f"    launch({blocks_x}, {blocks_y}, {threads}, [&] {{ {call}({pointers}); }});")
+    saves = [f'    save("{workdir}/{name}.out", {name});' for name in outputs]
+    main = "int main() {\n" + "\n".join(arrays + calls + saves) + "\n    return 0;\n}\n"
+    source = workdir / "run.cpp"
+    source.write_text(DECLARATIONS + RUNTIME + kernels + main)
+    binary = workdir / "run"
+    build = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(binary)],
+                           capture_output=True, text=True)
+    if build.returncode:
+        raise RuntimeError(build.stderr[-3000:])
+    subprocess.run([str(binary)], check=True, timeout=300)
+    return {name: np.fromfile(workdir / f"{name}.out", dtype=dtype) for name, (count, dtype) in outputs.items()}

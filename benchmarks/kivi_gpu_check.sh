@@ -2,7 +2,7 @@
 # One device call on the lent H200: the GPU tests, then the KIVI kernel benchmarks, then the
 # end-to-end decode benchmark; every log also goes to $OUT (default ./gpu-logs).
 # Usage (device, after the mlx CUDA install of ../shared/gpu/README.md):
-#   bash benchmarks/kivi_gpu_check.sh [tests] [attn] [decode] [bandwidth] [step] [e2e | e2e-kivi]
+#   bash benchmarks/kivi_gpu_check.sh [tests] [attn] [decode] [bandwidth] [step] [scored] [e2e | e2e-kivi]
 # (default: tests attn decode bandwidth e2e)
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -31,6 +31,8 @@ for part in $parts; do
       for log in "$out"/tests_*.log; do echo "== $log"; grep -v "^SKIPPED" "$log" | tail -8; done ;;
     attn|decode|bandwidth|step)
       python3 benchmarks/kivi_gpu.py "$part" 2>&1 | tee "$out/kivi_gpu_$part.log" ;;
+    scored)  # the scoring methods' decode kernels, every variant, against SDPA and the MLX ops
+      python3 benchmarks/scored_attention_speed.py 2>&1 | tee "$out/scored_attention.log" ;;
     e2e)
       python3 benchmarks/kivi_e2e.py --contexts 32768 8192 --steps 12 --warmup 2 \
         --caches full "kivi bits=2" "kivi bits=4" "streaming budget=0.5" "snapkv budget=0.5" "tova budget=0.5" \

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(cuda_on_cpu.GXX is None, reason="needs g++")
 
 # the signatures MLX generates for these kernels: inputs const, then outputs, template parameters
 ATTEND = """
-template <typename T, int D, int G, int NT, bool NOISY>
+template <typename T, int D, int G, int NT, bool VEC, bool NOISY>
 __global__ void attend(const T* q, const T* keys, const T* values, const int32_t* dims, const float* params,
                        const uint32_t* streams, const int32_t* positions, const int32_t* noise_dims,
                        float* logits, float* part, float* stats) {
@@ -34,16 +34,16 @@ __global__ void finish(const float* part, const float* stats, const float* logit
 
 
 def kernels() -> str:
-    header = CUDA_HEADER + kernel._EXTRA_HEADER["cuda"] + f"#define SLOTS_PER_BLOCK {kernel.SLOTS_PER_FINISH_BLOCK}\n"
+    header = CUDA_HEADER + kernel._EXTRA_HEADER["cuda"] + kernel._CHANNELS + f"#define SLOTS_PER_BLOCK {kernel.SLOTS_PER_FINISH_BLOCK}\n"
     return (header + ATTEND % (kernel._INDEX["cuda"] + kernel._ATTEND_BODY)
             + FINISH % (kernel._INDEX["cuda"] + kernel._FINISH_BODY))
 
 
 def test_cuda_source_compiles_as_cpp(tmp_path):
     source = kernels()
-    for T, D, G, noisy in (("__half", 128, 4, "true"), ("float", 64, 3, "false"), ("float", 256, 8, "true"),
-                           ("__half", 32, 1, "false")):
-        source += f"template void attend<{T}, {D}, {G}, {kernel.THREADS}, {noisy}>(const {T}*, const {T}*, const {T}*, " \
+    for T, D, G, vec, noisy in (("__half", 128, 4, "true", "true"), ("float", 64, 3, "false", "false"),
+                                ("float", 256, 8, "true", "true"), ("__half", 32, 1, "false", "false")):
+        source += f"template void attend<{T}, {D}, {G}, {kernel.THREADS}, {vec}, {noisy}>(const {T}*, const {T}*, const {T}*, " \
                   "const int32_t*, const float*, const uint32_t*, const int32_t*, const int32_t*, float*, float*, float*);\n"
         for accumulate in ("true", "false"):
             source += f"template void finish<{T}, {D}, {G}, {kernel.FINISH_THREADS}, {accumulate}, {noisy}>(const float*, " \
@@ -60,7 +60,7 @@ def test_the_compile_check_catches_a_broken_source(tmp_path, monkeypatch):
         test_cuda_source_compiles_as_cpp(tmp_path)
 
 
-def run_on_cpu(q, keys, values, n, scale, scores, noise, blocks, workdir):
+def run_on_cpu(q, keys, values, n, scale, scores, noise, blocks, workdir, vec=False):
     """The two launches as scored_attention_fused makes them, float32, through cuda_on_cpu."""
     R, G, D = q.shape
     plan = kernel.launch_plan(n, R, G, D, keys.shape[1], scale, noise, blocks)
@@ -77,7 +77,7 @@ def run_on_cpu(q, keys, values, n, scale, scores, noise, blocks, workdir):
     outputs = {"logits": (R * G * n, np.float32), "part": (R * nb * G * D, np.float32), "stats": (R * nb * G * 4, np.float32),
                "out": (R * G * D, np.float32), "sums": (R * n, np.float32)}
     launches = [
-        (f"attend<float, {D}, {G}, {kernel.THREADS}, {noisy}>", nb, R, kernel.THREADS,
+        (f"attend<float, {D}, {G}, {kernel.THREADS}, {str(vec).lower()}, {noisy}>", nb, R, kernel.THREADS,
          ["q", "keys", "values", "dims", "params", "streams", "positions", "noise_dims", "logits", "part", "stats"]),
         (f"finish<float, {D}, {G}, {kernel.FINISH_THREADS}, {accumulate}, {noisy}>", plan.finish_blocks, R,
          kernel.FINISH_THREADS, ["part", "stats", "logits", "scores", "dims", "params", "streams", "positions",
@@ -87,15 +87,16 @@ def run_on_cpu(q, keys, values, n, scale, scores, noise, blocks, workdir):
     return got["out"].reshape(R, G, D), got["logits"].reshape(R, G, n), got["sums"].reshape(R, n)
 
 
-@pytest.mark.parametrize("G, D, accumulate, noise", [(4, 64, True, None), (3, 32, False, None), (1, 32, False, None),
-                                                     (4, 64, True, "redraw"), (3, 32, True, "frozen"),
-                                                     (8, 64, True, "redraw")])
-def test_cuda_source_run_on_cpu_matches_reference(tmp_path, G, D, accumulate, noise):
+@pytest.mark.parametrize("G, D, accumulate, noise, vec", [(4, 64, True, None, False), (3, 32, False, None, False),
+                                                          (1, 32, False, None, False), (4, 64, True, "redraw", False),
+                                                          (3, 32, True, "frozen", False), (8, 64, True, "redraw", False),
+                                                          (4, 128, True, None, True), (3, 64, True, "redraw", True)])
+def test_cuda_source_run_on_cpu_matches_reference(tmp_path, G, D, accumulate, noise, vec):
     R, n, allocated = 2, 150, 170  # slots past n hold garbage the kernels must not read
     q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, mx.float32, seed=G + D)
     given = scores if accumulate else None
     gumbel = None if noise is None else kernel.random_noise(R, G, allocated + 3, noise == "redraw", seed=G)
-    got = run_on_cpu(q, keys, values, n, D**-0.5, given, gumbel, 3, tmp_path)
+    got = run_on_cpu(q, keys, values, n, D**-0.5, given, gumbel, 3, tmp_path, vec)
     want = kernel.scored_attention_reference(q, keys, values, n, D**-0.5, given, gumbel)
     for what, a, b in zip(("output", "logits", "sums"), got, want):
         np.testing.assert_allclose(a, np.array(b), rtol=2e-5, atol=1e-6, err_msg=what)
@@ -105,4 +106,4 @@ def test_the_run_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
     """A wrong normalization of the noisy probabilities (the plain softmax's max instead) fails."""
     monkeypatch.setattr(kernel, "_FINISH_BODY", kernel._FINISH_BODY.replace("/ tau - noisy_max[g]", "/ tau - final_max[g]"))
     with pytest.raises(AssertionError, match="sums"):
-        test_cuda_source_run_on_cpu_matches_reference(tmp_path, 4, 64, True, "redraw")
+        test_cuda_source_run_on_cpu_matches_reference(tmp_path, 4, 64, True, "redraw", False)

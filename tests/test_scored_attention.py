@@ -214,3 +214,18 @@ def test_gpu_cache_step_close_to_plain_step(method):
         dispatch.assert_close(scored, plain, 1e-5, f"{method} output")
         dispatch.assert_close(layer.scored.scores, layer.plain.scores, 1e-5, f"{method} scores")
         assert np.array_equal(np.array(layer.scored.kept_positions()), np.array(layer.plain.kept_positions()))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("noise", [None, "redraw"])
+def test_vector_loads_match_reference(dtype, noise):
+    """`attend` with one load of C consecutive channels per lane (VEC_LOADS, not yet the default)."""
+    for i, (R, G, D, n, allocated) in enumerate([(3, 4, 128, 77, 256), (8, 4, 128, 16385, 16640), (2, 3, 64, 1000, 1024),
+                                                 (2, 8, 256, 500, 512)]):
+        q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, dtype, seed=i)
+        gumbel = None if noise is None else kernel.random_noise(R, G, allocated, seed=i)
+        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, scores, gumbel, GPU, vec_loads=True)
+        want = reference_f32(q, keys, values, n, D**-0.5, scores, gumbel)
+        for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (TOLERANCE[dtype], 1e-5, 1e-5)):
+            dispatch.assert_close(a, b, max(tol, 5e-5 if n > 4096 else 0), f"{what} R={R} n={n}")

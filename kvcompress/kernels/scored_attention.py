@@ -68,6 +68,11 @@ from . import dispatch
 from .kivi_attention import CUDA_HEADER, METAL_HEADER
 
 MAX_GROUP = 8
+# `attend` reads a lane's C channels of a key or value row as one load (lane * C ... lane * C + C - 1)
+# instead of C loads of channels lane, lane + 32, ...: a quarter of the load instructions at D 128
+# fp16. Written after the last GPU session, checked on the CPU (tests/test_kernel_sources.py), not
+# yet timed: off until benchmarks/EVICTION_GPU_NOTES.md says it is faster.
+VEC_LOADS = False
 THREADS = 128  # 4 warps per `attend` block
 FINISH_THREADS = 256
 SLOTS_PER_FINISH_BLOCK = 1024
@@ -111,7 +116,7 @@ def scored_attention_reference(q, keys, values, n: int, scale: float, scores=Non
 
 _ATTEND_BODY = """
     constexpr int NW = NT / 32;
-    constexpr int C = D / 32;  // channels per lane: lane, lane + 32, ...
+    constexpr int C = D / 32;  // channels per lane: lane, lane + 32, ... (VEC: lane * C, ..., lane * C + C - 1)
     constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;  // heads padded to a power of two
     constexpr int UN = 32 / GP < 8 ? 32 / GP : 8;  // slots per warp step
     constexpr int V = UN * GP;  // dot products per warp step, index u * GP + g
@@ -139,7 +144,7 @@ _ATTEND_BODY = """
 
     float qv[G][C];
     KV_UNROLL for (int g = 0; g < G; ++g) {
-        KV_UNROLL for (int c = 0; c < C; ++c) qv[g][c] = (float)q[(row * G + g) * D + c * 32 + lane] * scale;
+        KV_UNROLL for (int c = 0; c < C; ++c) qv[g][c] = (float)q[(row * G + g) * D + CHANNEL(c)] * scale;
     }
     float acc[G][C];
     KV_UNROLL for (int g = 0; g < G; ++g) {
@@ -156,9 +161,18 @@ _ATTEND_BODY = """
         // values do not depend on the probabilities, only their use does)
         T kh[UN][C], vh[UN][C];
         KV_UNROLL for (int u = 0; u < UN; ++u) {
-            const long at = kv_row + (long)min(t0 + u, end - 1) * D + lane;  // p is 0 past the end
-            KV_UNROLL for (int c = 0; c < C; ++c) kh[u][c] = keys[at + c * 32];
-            KV_UNROLL for (int c = 0; c < C; ++c) vh[u][c] = values[at + c * 32];
+            const long at = kv_row + (long)min(t0 + u, end - 1) * D;  // p is 0 past the end
+            if (VEC) {  // one load of C consecutive channels per lane
+                const Chunk<T, C> k_chunk = reinterpret_cast<const KV_DEVICE Chunk<T, C>*>(keys + at)[lane];
+                const Chunk<T, C> v_chunk = reinterpret_cast<const KV_DEVICE Chunk<T, C>*>(values + at)[lane];
+                KV_UNROLL for (int c = 0; c < C; ++c) {
+                    kh[u][c] = k_chunk.v[c];
+                    vh[u][c] = v_chunk.v[c];
+                }
+            } else {
+                KV_UNROLL for (int c = 0; c < C; ++c) kh[u][c] = keys[at + CHANNEL(c)];
+                KV_UNROLL for (int c = 0; c < C; ++c) vh[u][c] = values[at + CHANNEL(c)];
+            }
         }
         float v[V];
         KV_UNROLL for (int u = 0; u < UN; ++u) {
@@ -241,7 +255,7 @@ _ATTEND_BODY = """
         w_noisy_sum[warp * G + my_g] = noisy_sum;
     }
     KV_UNROLL for (int g = 0; g < G; ++g) {
-        KV_UNROLL for (int c = 0; c < C; ++c) w_acc[(warp * G + g) * D + c * 32 + lane] = acc[g][c];
+        KV_UNROLL for (int c = 0; c < C; ++c) w_acc[(warp * G + g) * D + CHANNEL(c)] = acc[g][c];
     }
     KV_BARRIER();
     const long part_row = (row * (long)nb + blk) * G;
@@ -347,6 +361,11 @@ _INDEX = {
     "metal": "const int tid = (int)thread_position_in_threadgroup.x; const int blk = (int)threadgroup_position_in_grid.x;"
              " const long row = (long)threadgroup_position_in_grid.y;\n",
 }
+# Both backends: the channel a lane holds, and C consecutive elements as one load (VEC)
+_CHANNELS = """
+#define CHANNEL(c) (VEC ? lane * C + (c) : (c) * 32 + lane)
+template <typename X, int N> struct alignas(sizeof(X) * N) Chunk { X v[N]; };
+"""
 # Per backend: a warp barrier, and Keyformer's noise exactly as counter_hash.py draws it (the
 # "lowbias32" finalizer on uint32, u from the hash's top 24 bits, kept below 1, zeta = -log(-log(u)))
 _EXTRA_HEADER = {
@@ -384,7 +403,7 @@ def _kernel(which: str, backend: str):
             inputs, outputs, body = ["q", "keys", "values", "dims", "params", *noise], ["logits", "part", "stats"], _ATTEND_BODY
         else:
             inputs, outputs, body = ["part", "stats", "logits", "scores", "dims", "params", *noise], ["out", "sums"], _FINISH_BODY
-        header = (CUDA_HEADER if backend == "cuda" else METAL_HEADER) + _EXTRA_HEADER[backend] + (
+        header = (CUDA_HEADER if backend == "cuda" else METAL_HEADER) + _EXTRA_HEADER[backend] + _CHANNELS + (
             f"#define SLOTS_PER_BLOCK {SLOTS_PER_FINISH_BLOCK}\n")
         source = _INDEX[backend] + body
         # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
@@ -427,7 +446,7 @@ def launch_plan(n: int, rows: int, group: int, head_dim: int, allocated: int, sc
 
 
 def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None,
-                           backend: str = "cuda", blocks: int | None = None):
+                           backend: str = "cuda", blocks: int | None = None, vec_loads: bool = VEC_LOADS):
     """The two kernels; the same contract as `scored_attention_reference` for supported inputs."""
     R, G, D = q.shape
     plan = launch_plan(n, R, G, D, keys.shape[1], scale, noise, blocks)
@@ -440,7 +459,7 @@ def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, n
     flags = [("NOISY", noise is not None)]
     logits, part, stats = _kernel("attend", backend)(
         inputs=[q, keys, values, dims, params, *noise_inputs],
-        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", THREADS), *flags],
+        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", THREADS), ("VEC", vec_loads), *flags],
         grid=(plan.chunks * THREADS, R, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(R, G, n), (R, plan.chunks, G, D), (R, plan.chunks, G, 4)],

@@ -10,6 +10,7 @@ import pytest
 
 import cuda_on_cpu
 from kvcompress.kernels import scored_attention as kernel
+from kvcompress.kernels.evict import evict_slot_reference
 from kvcompress.kernels.kivi_attention import CUDA_HEADER
 
 pytestmark = pytest.mark.skipif(cuda_on_cpu.GXX is None, reason="needs g++")
@@ -18,16 +19,16 @@ pytestmark = pytest.mark.skipif(cuda_on_cpu.GXX is None, reason="needs g++")
 ATTEND = """
 template <typename T, int D, int G, int NT, bool VEC, bool NOISY>
 __global__ void attend(const T* q, const T* keys, const T* values, const int32_t* dims, const float* params,
-                       const uint32_t* streams, const int32_t* positions, const int32_t* noise_dims,
+                       const uint32_t* streams, const int32_t* positions, const int32_t* slot_dims,
                        float* logits, float* part, float* stats) {
 %s
 }
 """
 FINISH = """
-template <typename T, int D, int G, int NT, bool ACCUMULATE, bool NOISY>
+template <typename T, int D, int G, int NT, bool ACCUMULATE, bool EVICT, bool NOISY>
 __global__ void finish(const float* part, const float* stats, const float* logits, const float* scores,
                        const int32_t* dims, const float* params, const uint32_t* streams, const int32_t* positions,
-                       const int32_t* noise_dims, T* out, float* sums) {
+                       const int32_t* slot_dims, T* out, float* sums, int32_t* slot_out) {
 %s
 }
 """
@@ -45,10 +46,11 @@ def test_cuda_source_compiles_as_cpp(tmp_path):
                                 ("float", 256, 8, "true", "true"), ("__half", 32, 1, "false", "false")):
         source += f"template void attend<{T}, {D}, {G}, {kernel.THREADS}, {vec}, {noisy}>(const {T}*, const {T}*, const {T}*, " \
                   "const int32_t*, const float*, const uint32_t*, const int32_t*, const int32_t*, float*, float*, float*);\n"
-        for accumulate in ("true", "false"):
-            source += f"template void finish<{T}, {D}, {G}, {kernel.FINISH_THREADS}, {accumulate}, {noisy}>(const float*, " \
+        for accumulate, evict, threads in (("true", "false", kernel.FINISH_THREADS), ("false", "false", kernel.FINISH_THREADS),
+                                           ("true", "true", kernel.EVICT_THREADS)):
+            source += f"template void finish<{T}, {D}, {G}, {threads}, {accumulate}, {evict}, {noisy}>(const float*, " \
                       "const float*, const float*, const float*, const int32_t*, const float*, const uint32_t*, " \
-                      f"const int32_t*, const int32_t*, {T}*, float*);\n"
+                      f"const int32_t*, const int32_t*, {T}*, float*, int32_t*);\n"
     result = cuda_on_cpu.compile_only(source, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -60,50 +62,59 @@ def test_the_compile_check_catches_a_broken_source(tmp_path, monkeypatch):
         test_cuda_source_compiles_as_cpp(tmp_path)
 
 
-def run_on_cpu(q, keys, values, n, scale, scores, noise, blocks, workdir, vec=False):
+def run_on_cpu(q, keys, values, n, scale, scores, noise, evict, blocks, workdir, vec=False):
     """The two launches as scored_attention_fused makes them, float32, through cuda_on_cpu."""
     R, G, D = q.shape
-    plan = kernel.launch_plan(n, R, G, D, keys.shape[1], scale, noise, blocks)
+    plan = kernel.launch_plan(n, R, G, D, keys.shape[1], scale, noise, evict, blocks)
     noisy, accumulate = str(noise is not None).lower(), str(scores is not None).lower()
+    positions = noise.positions if noise else evict.positions if evict else mx.zeros((1,), mx.int32)
     inputs = {
         "q": np.array(q), "keys": np.array(keys), "values": np.array(values),
         "dims": np.array(plan.dims, np.int32), "params": np.array(plan.params, np.float32),
         "streams": np.array(noise.streams) if noise else np.zeros(1, np.uint32),
-        "positions": np.array(noise.positions) if noise else np.zeros(1, np.int32),
-        "noise_dims": np.array(plan.noise_dims, np.int32),
+        "positions": np.array(positions), "slot_dims": np.array(plan.slot_dims, np.int32),
         "scores": np.array(scores) if scores is not None else np.zeros(1, np.float32),
     }
     nb = plan.chunks
     outputs = {"logits": (R * G * n, np.float32), "part": (R * nb * G * D, np.float32), "stats": (R * nb * G * 4, np.float32),
-               "out": (R * G * D, np.float32), "sums": (R * n, np.float32)}
+               "out": (R * G * D, np.float32), "sums": (R * n, np.float32), "slot_out": (R, np.int32)}
     launches = [
         (f"attend<float, {D}, {G}, {kernel.THREADS}, {str(vec).lower()}, {noisy}>", nb, R, kernel.THREADS,
-         ["q", "keys", "values", "dims", "params", "streams", "positions", "noise_dims", "logits", "part", "stats"]),
-        (f"finish<float, {D}, {G}, {kernel.FINISH_THREADS}, {accumulate}, {noisy}>", plan.finish_blocks, R,
-         kernel.FINISH_THREADS, ["part", "stats", "logits", "scores", "dims", "params", "streams", "positions",
-                                 "noise_dims", "out", "sums"]),
+         ["q", "keys", "values", "dims", "params", "streams", "positions", "slot_dims", "logits", "part", "stats"]),
+        (f"finish<float, {D}, {G}, {plan.finish_threads}, {accumulate}, {str(evict is not None).lower()}, {noisy}>",
+         plan.finish_blocks, R, plan.finish_threads, ["part", "stats", "logits", "scores", "dims", "params", "streams",
+                                                      "positions", "slot_dims", "out", "sums", "slot_out"]),
     ]
     got = cuda_on_cpu.run(kernels(), launches, inputs, outputs, workdir)
-    return got["out"].reshape(R, G, D), got["logits"].reshape(R, G, n), got["sums"].reshape(R, n)
+    return got["out"].reshape(R, G, D), got["logits"].reshape(R, G, n), got["sums"].reshape(R, n), got["slot_out"]
 
 
-@pytest.mark.parametrize("G, D, accumulate, noise, vec", [(4, 64, True, None, False), (3, 32, False, None, False),
-                                                          (1, 32, False, None, False), (4, 64, True, "redraw", False),
-                                                          (3, 32, True, "frozen", False), (8, 64, True, "redraw", False),
-                                                          (4, 128, True, None, True), (3, 64, True, "redraw", True)])
-def test_cuda_source_run_on_cpu_matches_reference(tmp_path, G, D, accumulate, noise, vec):
-    R, n, allocated = 2, 150, 170  # slots past n hold garbage the kernels must not read
+@pytest.mark.parametrize("G, D, accumulate, noise, evicts, vec", [
+    (4, 64, True, None, False, False), (3, 32, False, None, False, False), (1, 32, False, None, False, False),
+    (4, 64, True, "redraw", False, False), (3, 32, True, "frozen", False, False), (8, 64, True, "redraw", True, False),
+    (4, 64, True, None, True, False), (4, 128, True, None, False, True), (3, 64, True, "redraw", True, True)])
+def test_cuda_source_run_on_cpu_matches_reference(tmp_path, G, D, accumulate, noise, evicts, vec):
+    # slots past n hold garbage the kernels must not read; choosing a slot: more slots than the
+    # block's threads, and protected positions (a quarter of them: sinks and recent) among the lowest
+    R, n, allocated = (2, 1200, 1300) if evicts else (2, 150, 170)
+    n_sink, recent_start = 325, allocated + 3 - 325
     q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, mx.float32, seed=G + D)
     given = scores if accumulate else None
-    gumbel = None if noise is None else kernel.random_noise(R, G, allocated + 3, noise == "redraw", seed=G)
-    got = run_on_cpu(q, keys, values, n, D**-0.5, given, gumbel, 3, tmp_path, vec)
+    positions = kernel.random_noise(R, G, allocated + 3, noise == "redraw", seed=G)
+    gumbel = None if noise is None else positions
+    evict = kernel.EvictAt(positions.positions, n_sink, recent_start) if evicts else None
+    got = run_on_cpu(q, keys, values, n, D**-0.5, given, gumbel, evict, 3, tmp_path, vec)
     want = kernel.scored_attention_reference(q, keys, values, n, D**-0.5, given, gumbel)
-    for what, a, b in zip(("output", "logits", "sums"), got, want):
-        np.testing.assert_allclose(a, np.array(b), rtol=2e-5, atol=1e-6, err_msg=what)
+    # float32 sums in another order: logits of size ~10 round at ~1e-6 absolute
+    for what, a, b, atol in zip(("output", "logits", "sums"), got, want, (1e-6, 1e-5, 1e-6)):
+        np.testing.assert_allclose(a, np.array(b), rtol=2e-5, atol=atol, err_msg=what)
+    if evicts:  # exactly the slot evict_slot picks by the kernel's own scores
+        want_slot = evict_slot_reference(mx.array(got[2]), positions.positions[:, :n], n_sink, recent_start)
+        np.testing.assert_array_equal(got[3], np.array(want_slot))
 
 
 def test_the_run_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
     """A wrong normalization of the noisy probabilities (the plain softmax's max instead) fails."""
     monkeypatch.setattr(kernel, "_FINISH_BODY", kernel._FINISH_BODY.replace("/ tau - noisy_max[g]", "/ tau - final_max[g]"))
     with pytest.raises(AssertionError, match="sums"):
-        test_cuda_source_run_on_cpu_matches_reference(tmp_path, 4, 64, True, "redraw", False)
+        test_cuda_source_run_on_cpu_matches_reference(tmp_path, 4, 64, True, "redraw", False, False)

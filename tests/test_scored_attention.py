@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvcompress.kernels import dispatch
+from kvcompress.kernels.evict import evict_slot_reference
 from kvcompress.kernels import scored_attention as kernel
 from kvcompress.methods import method_config
 from kvcompress.methods import eviction
@@ -94,7 +95,7 @@ def test_keyformer_hands_its_noise_to_the_kernels(monkeypatch):
     original = eviction.scored_attention
 
     def spy(*args):
-        seen.append(args[-1])
+        seen.append(args[6])  # (q, keys, values, n, scale, scores, noise, evict)
         return original(*args)
 
     monkeypatch.setattr(eviction, "scored_attention", spy)
@@ -111,6 +112,25 @@ def test_keyformer_hands_its_noise_to_the_kernels(monkeypatch):
             assert query == (None if params else position) and seen[-1].tau == layer.cfg._step_tau(layer.scored, position)
 
 
+def test_the_scored_step_picks_the_slot_itself(monkeypatch):
+    """H2O and Keyformer (scores final after the step's launch) get the slot to evict from the same
+    launch, not from a separate `evict_slot`; TOVA (scores averaged over the batch's heads after it)
+    still calls it."""
+    calls = []
+    evict_slot = eviction.evict_slot
+    monkeypatch.setattr(eviction, "evict_slot", lambda *args: calls.append(1) or evict_slot(*args))
+    for method, separate in (("h2o", False), ("keyformer", False), ("tova", True)):
+        layer = Layer(method, seed=3)
+        layer.plain.fuse_scores = True  # both caches take the scored step here
+        layer.feed(39)
+        layer.feed()
+        calls.clear()
+        for _ in range(5):
+            layer.feed()
+        assert bool(calls) == separate, method
+        assert isinstance(layer.scored.free, mx.array) and layer.scored.tokens_kept == 24
+
+
 def test_reference_noise_is_keyformers():
     """The reference's noisy softmax is Keyformer's transform: (logits + zeta) / tau, zeta from
     counter_hash for (stream, query position, key position)."""
@@ -118,7 +138,7 @@ def test_reference_noise_is_keyformers():
 
     q, keys, values, _ = kernel.random_case(3, 4, 32, 50, 64, mx.float32, seed=5)
     noise = kernel.random_noise(3, 4, 64, seed=6)
-    _, logits, sums = kernel.scored_attention_reference(q, keys, values, 50, 0.2, mx.zeros((3, 50)), noise)
+    _, logits, sums, _ = kernel.scored_attention_reference(q, keys, values, 50, 0.2, mx.zeros((3, 50)), noise)
     zeta = gumbel_noise_from_streams(noise.streams, mx.array([noise.query_position]), noise.positions[:, :50])
     want = mx.softmax((logits[:, :, None] + zeta) / noise.tau, axis=-1, precise=True).sum(axis=(1, 2))
     np.testing.assert_allclose(np.array(sums), np.array(want), rtol=1e-6)
@@ -135,8 +155,8 @@ def test_plain_scores_only_for_unaltered_attention():
 
 def test_reference_contract():
     q, keys, values, scores = kernel.random_case(3, 4, 32, 50, 64, mx.float32, seed=3)
-    out, logits, sums = kernel.scored_attention_reference(q, keys, values, 50, 0.2, scores)
-    assert out.shape == (3, 4, 32) and logits.shape == (3, 4, 50) and sums.shape == (3, 50)
+    out, logits, sums, slot = kernel.scored_attention_reference(q, keys, values, 50, 0.2, scores)
+    assert slot is None and out.shape == (3, 4, 32) and logits.shape == (3, 4, 50) and sums.shape == (3, 50)
     alone = kernel.scored_attention_reference(q, keys, values, 50, 0.2)[2]
     assert mx.array_equal(sums, scores + alone).item()
     np.testing.assert_allclose(np.array(alone), np.array(mx.softmax(logits, axis=-1).sum(axis=1)), rtol=1e-5)
@@ -144,7 +164,11 @@ def test_reference_contract():
     # the spare slots past n are never read
     spoiled = mx.concatenate([keys[:, :50], mx.full((3, 14, 32), mx.nan)], axis=1)
     again = kernel.scored_attention_reference(q, spoiled, values, 50, 0.2, scores)
-    assert all(mx.array_equal(a, b).item() for a, b in zip((out, logits, sums), again))
+    assert all(mx.array_equal(a, b).item() for a, b in zip((out, logits, sums), again[:3]))
+    # with `evict`: the slot evict_slot picks by the new scores
+    positions = kernel.random_noise(3, 4, 64, seed=4).positions
+    slot = kernel.scored_attention_reference(q, keys, values, 50, 0.2, scores, evict=kernel.EvictAt(positions, 3, 60))[3]
+    assert mx.array_equal(slot, evict_slot_reference(sums, positions[:, :50], 3, 60)).item()
 
 
 # -- GPU --------------------------------------------------------------------------------------------
@@ -153,9 +177,10 @@ TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
 
 
 def reference_f32(q, keys, values, n, scale, scores, noise=None):
+    """(out, logits, sums) of the reference in float32 on the CPU."""
     with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
         want = kernel.scored_attention_reference(q.astype(mx.float32), keys.astype(mx.float32),
-                                                 values.astype(mx.float32), n, scale, scores, noise)
+                                                 values.astype(mx.float32), n, scale, scores, noise)[:3]
         mx.eval(want)
     return want
 
@@ -163,17 +188,23 @@ def reference_f32(q, keys, values, n, scale, scores, noise=None):
 @needs_gpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("G, D", [(1, 32), (3, 64), (4, 128), (8, 128), (5, 256)])
-@pytest.mark.parametrize("accumulate, noise", [(False, None), (True, None), (True, "redraw"), (True, "frozen")])
-def test_fused_matches_reference(dtype, G, D, accumulate, noise):
+@pytest.mark.parametrize("accumulate, noise, evicts", [(False, None, False), (True, None, False), (True, None, True),
+                                                     (True, "redraw", True), (True, "frozen", False)])
+def test_fused_matches_reference(dtype, G, D, accumulate, noise, evicts):
     for i, (R, n, allocated, blocks) in enumerate([(1, 1, 1, None), (3, 77, 256, None), (8, 1000, 1280, 7),
                                                    (8, 16385, 16640, None)]):
         q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, dtype, seed=i)
         given = scores if accumulate else None
         # the positions buffer may be longer than the keys' (the cache aligns only keys and values)
-        gumbel = None if noise is None else kernel.random_noise(R, G, allocated + 3, noise == "redraw", seed=i)
-        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, given, gumbel, GPU, blocks=blocks)
+        positions = kernel.random_noise(R, G, allocated + 3, noise == "redraw", seed=i)
+        gumbel = None if noise is None else positions
+        evict = kernel.EvictAt(positions.positions, 1, allocated - 2) if evicts else None
+        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, given, gumbel, evict, GPU, blocks=blocks)
         want = reference_f32(q, keys, values, n, D**-0.5, given, gumbel)
         assert got[0].dtype == dtype and got[1].shape == (R, G, n) and got[2].shape == (R, n)
+        if evicts:  # exactly the slot evict_slot picks by the kernel's own scores
+            assert mx.array_equal(got[3], evict_slot_reference(got[2], positions.positions[:, :n], 1, allocated - 2)).item()
+        got = got[:3]
         # float32 rounding of sums over up to 16k slots (the reference's own as much as the kernel's)
         for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (TOLERANCE[dtype], 1e-5, 1e-5)):
             dispatch.assert_close(a, b, max(tol, 5e-5 if n > 4096 else 0), f"{what} R={R} n={n}")
@@ -196,7 +227,7 @@ def test_dispatch_picks_the_kernel_and_falls_back(monkeypatch):
     assert any("scored_attention" in str(w.message) for w in caught)
     assert dispatch.paths_used() == {f"scored_attention/{GPU}/float16": "reference"}
     want = kernel.scored_attention_reference(q, keys, values, 300, 0.125, scores)
-    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got[:3], want[:3]))
     dispatch.forget_verdicts()
 
 
@@ -225,7 +256,7 @@ def test_vector_loads_match_reference(dtype, noise):
                                                  (2, 8, 256, 500, 512)]):
         q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, dtype, seed=i)
         gumbel = None if noise is None else kernel.random_noise(R, G, allocated, seed=i)
-        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, scores, gumbel, GPU, vec_loads=True)
+        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, scores, gumbel, backend=GPU, vec_loads=True)[:3]
         want = reference_f32(q, keys, values, n, D**-0.5, scores, gumbel)
         for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (TOLERANCE[dtype], 1e-5, 1e-5)):
             dispatch.assert_close(a, b, max(tol, 5e-5 if n > 4096 else 0), f"{what} R={R} n={n}")

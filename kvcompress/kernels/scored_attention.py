@@ -36,6 +36,13 @@ reference there (tests/test_kernel_sources.py, as the plain variant does); not y
 (tests/test_scored_attention.py's GPU cases cover it; the dispatch self-test guards it, and the
 cache keeps the MLX noise ops where it does not pass).
 
+Choosing the slot to evict (EVICT): where the step's new scores are final after `finish` (H2O,
+Keyformer scoring with queries), one `finish` block of 1024 threads holds each row and also picks
+the slot `evict_slot` (kernels/evict.py) would: the lowest unprotected score, ties to the lowest
+position; one launch fewer per layer. Written after the last GPU session, like NOISY: run on the
+CPU through tests/cuda_on_cpu.py (the slot exactly evict_slot's by the kernel's own scores), not
+yet on a GPU.
+
 Two launches read the keys once, the values once and the [R, G, n] logits once (2 MiB at 16k
 slots x 8 rows x 4 heads against 32 MiB of fp16 keys). Keys and values are the cache's buffers as
 they are, [R, allocated, D] with the slots in use first: no slice, no copy. float32 accumulation;
@@ -65,6 +72,7 @@ import mlx.core as mx
 
 from ..methods.counter_hash import gumbel_noise_from_streams, noise_streams
 from . import dispatch
+from .evict import evict_slot_reference
 from .kivi_attention import CUDA_HEADER, METAL_HEADER
 
 MAX_GROUP = 8
@@ -75,6 +83,7 @@ MAX_GROUP = 8
 VEC_LOADS = False
 THREADS = 128  # 4 warps per `attend` block
 FINISH_THREADS = 256
+EVICT_THREADS = 1024  # `finish` when it also picks the slot to evict: one block of these per row
 SLOTS_PER_FINISH_BLOCK = 1024
 
 
@@ -92,12 +101,22 @@ class GumbelNoise(NamedTuple):
     tau: float
 
 
-def scored_attention_reference(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None):
+class EvictAt(NamedTuple):
+    """Pick each row's slot to evict by the new scores, as kernels/evict.py's `evict_slot`."""
+
+    positions: mx.array  # [R, >= n] int32 true positions of the slots (a buffer: the first n are read)
+    n_sink: int  # positions below it are protected
+    recent_start: int  # and positions from it on
+
+
+def scored_attention_reference(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None,
+                               evict: EvictAt | None = None):
     """q [R, G, D]; keys, values [R, >= n, D] (the first n slots are used); scores [R, n] float32 or None.
 
-    Returns (out [R, G, D] in q's dtype, logits [R, G, n] float32, sums [R, n] float32) where
+    Returns (out [R, G, D] in q's dtype, logits [R, G, n] float32, sums [R, n] float32, slot) where
     probs = softmax(logits) over the slots gives the output, and sums are the scores' probabilities
-    summed over the G heads (+ scores if given): probs, or with `noise` softmax((logits + zeta) / tau).
+    summed over the G heads (+ scores if given): probs, or with `noise` softmax((logits + zeta) / tau);
+    slot [R] int32: with `evict`, the slot `evict_slot` picks by the sums, else None.
     """
     k, v = keys[:, :n], values[:, :n]
     logits = ((q * scale).astype(k.dtype) @ k.swapaxes(1, 2)).astype(mx.float32)  # [R, G, n]
@@ -108,7 +127,10 @@ def scored_attention_reference(q, keys, values, n: int, scale: float, scores=Non
         zeta = gumbel_noise_from_streams(noise.streams, steps, noise.positions[:, :n], fused=False)[:, :, 0]
         probs = mx.softmax((logits + zeta) / noise.tau, axis=-1, precise=True)
     sums = probs.sum(axis=1)
-    return out, logits, sums if scores is None else scores + sums
+    if scores is not None:
+        sums = scores + sums
+    slot = None if evict is None else evict_slot_reference(sums, evict.positions[:, :n], evict.n_sink, evict.recent_start)
+    return out, logits, sums, slot
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +162,7 @@ _ATTEND_BODY = """
     const bool writer = (lane & ((1 << SHIFT) - 1)) == 0;
     // NOISY (Keyformer): the scores' softmax is of (logit + Gumbel noise) / tau, the noise a hash of
     // this step's stream of the head and the key's true position (kvcompress/methods/counter_hash.py)
-    const unsigned int step_hash = NOISY && my_g < G ? mix32(streams[row * G + my_g] ^ (unsigned int)noise_dims[0]) : 0u;
+    const unsigned int step_hash = NOISY && my_g < G ? mix32(streams[row * G + my_g] ^ (unsigned int)slot_dims[0]) : 0u;
 
     float qv[G][C];
     KV_UNROLL for (int g = 0; g < G; ++g) {
@@ -214,7 +236,7 @@ _ATTEND_BODY = """
         run_max = top;
         run_sum = run_sum * rescale + added;
         if (NOISY) {
-            const float y = valid ? (s + gumbel(step_hash, (unsigned int)positions[row * (long)noise_dims[1] + t0 + my_u])) / tau : NEG_INF;
+            const float y = valid ? (s + gumbel(step_hash, (unsigned int)positions[row * (long)slot_dims[1] + t0 + my_u])) / tau : NEG_INF;
             float y_top = y;
             KV_UNROLL for (int m = 1 << (LG + SHIFT); m < 32; m *= 2) y_top = FMAX(y_top, SHFL_XOR(y_top, m));
             y_top = FMAX(y_top, noisy_max);
@@ -324,8 +346,8 @@ _FINISH_BODY = """
         }
     }
     KV_BARRIER();
-    const int i = blk * NT + tid;  // the first G * D threads of the grid also combine the outputs
-    if (i < G * D) {
+    // the first G * D threads of the row's blocks (dims[4] of them) also combine the outputs
+    for (int i = blk * NT + tid; i < G * D; i += NT * dims[4]) {
         const int g = i / D;
         float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four partials' loads in flight at once
         int b = 0;
@@ -338,21 +360,56 @@ _FINISH_BODY = """
         out[row * G * D + i] = (T)((o[0] + o[1] + (o[2] + o[3])) * inv_sum[g]);
     }
     unsigned int step_hash[G];
-    KV_UNROLL for (int g = 0; g < G; ++g) step_hash[g] = NOISY ? mix32(streams[row * G + g] ^ (unsigned int)noise_dims[0]) : 0u;
-    const int first = blk * SLOTS_PER_BLOCK;
-    const int last = min(n, first + SLOTS_PER_BLOCK);
+    KV_UNROLL for (int g = 0; g < G; ++g) step_hash[g] = NOISY ? mix32(streams[row * G + g] ^ (unsigned int)slot_dims[0]) : 0u;
+    // EVICT: one block holds the row and also picks the slot to evict by the new scores, as
+    // kernels/evict.py's evict_slot does (the lowest unprotected score, ties to the lowest position)
+    const int first = EVICT ? 0 : blk * SLOTS_PER_BLOCK;
+    const int last = EVICT ? n : min(n, first + SLOTS_PER_BLOCK);
+    const int n_sink = slot_dims[2];
+    const int recent_start = slot_dims[3];
+    float best = -NEG_INF;
+    int best_position = 2147483647;
+    int best_at = 0;
     for (int j = first + tid; j < last; j += NT) {
         float total = ACCUMULATE ? scores[row * (long)n + j] : 0.0f;
-        const unsigned int position = NOISY ? (unsigned int)positions[row * (long)noise_dims[1] + j] : 0u;
+        const int position = NOISY || EVICT ? positions[row * (long)slot_dims[1] + j] : 0;
         KV_UNROLL for (int g = 0; g < G; ++g) {
             const float logit = logits[(row * G + g) * (long)n + j];
             if (NOISY) {
-                total += EXP2(((logit + gumbel(step_hash[g], position)) / tau - noisy_max[g]) * log2e) * noisy_inv_sum[g];
+                total += EXP2(((logit + gumbel(step_hash[g], (unsigned int)position)) / tau - noisy_max[g]) * log2e) * noisy_inv_sum[g];
             } else {
                 total += EXP2((logit - final_max[g]) * log2e) * inv_sum[g];
             }
         }
         sums[row * (long)n + j] = total;
+        if (EVICT && position >= n_sink && position < recent_start
+            && (total < best || (total == best && position < best_position))) {
+            best = total;
+            best_position = position;
+            best_at = j;
+        }
+    }
+    if (EVICT) {
+        KV_SHARED float best_value[NT];
+        KV_SHARED int best_positions[NT];
+        KV_SHARED int best_slot[NT];
+        best_value[tid] = best;
+        best_positions[tid] = best_position;
+        best_slot[tid] = best_at;
+        KV_BARRIER();
+        for (int stride = NT / 2; stride > 0; stride /= 2) {
+            if (tid < stride) {
+                const float v = best_value[tid + stride];
+                const int p = best_positions[tid + stride];
+                if (v < best_value[tid] || (v == best_value[tid] && p < best_positions[tid])) {
+                    best_value[tid] = v;
+                    best_positions[tid] = p;
+                    best_slot[tid] = best_slot[tid + stride];
+                }
+            }
+            KV_BARRIER();
+        }
+        if (tid == 0) slot_out[row] = best_slot[0];
     }
 """
 
@@ -398,11 +455,11 @@ _kernels: dict[tuple[str, str], object] = {}
 def _kernel(which: str, backend: str):
     key = (which, backend)
     if key not in _kernels:
-        noise = ["streams", "positions", "noise_dims"]
+        noise = ["streams", "positions", "slot_dims"]
         if which == "attend":
             inputs, outputs, body = ["q", "keys", "values", "dims", "params", *noise], ["logits", "part", "stats"], _ATTEND_BODY
         else:
-            inputs, outputs, body = ["part", "stats", "logits", "scores", "dims", "params", *noise], ["out", "sums"], _FINISH_BODY
+            inputs, outputs, body = ["part", "stats", "logits", "scores", "dims", "params", *noise], ["out", "sums", "slot_out"], _FINISH_BODY
         header = (CUDA_HEADER if backend == "cuda" else METAL_HEADER) + _EXTRA_HEADER[backend] + _CHANNELS + (
             f"#define SLOTS_PER_BLOCK {SLOTS_PER_FINISH_BLOCK}\n")
         source = _INDEX[backend] + body
@@ -423,58 +480,67 @@ def default_blocks(n: int, rows: int) -> int:
 class LaunchPlan(NamedTuple):
     """Everything the two launches take besides the arrays: small int/float arguments and grids."""
 
-    dims: tuple  # int32: slots n, allocated slots, slots per chunk, chunks per row nb
+    dims: tuple  # int32: slots n, allocated slots, slots per chunk, chunks per row nb, finish blocks per row
     params: tuple  # float32: softmax scale, tau (1 without noise)
-    noise_dims: tuple  # int32: the step's hash input (uint32 bits as int32), the positions' row stride
+    slot_dims: tuple  # int32: the noise step's hash input (uint32 bits as int32), the positions' row
+    # stride, n_sink, recent start
     chunks: int  # `attend` blocks per row
     finish_blocks: int  # `finish` blocks per row
+    finish_threads: int
 
 
 def launch_plan(n: int, rows: int, group: int, head_dim: int, allocated: int, scale: float,
-                noise: GumbelNoise | None = None, blocks: int | None = None) -> LaunchPlan:
+                noise: GumbelNoise | None = None, evict: EvictAt | None = None, blocks: int | None = None) -> LaunchPlan:
     nb = blocks or default_blocks(n, rows)
     per_block = -(-n // nb)
     nb = -(-n // per_block)
-    if noise is None:
-        params, noise_dims = (scale, 1.0), (0, 0)
-    else:
+    step, tau = 0, 1.0
+    if noise is not None:
         step = 0 if noise.query_position is None else (noise.query_position + 1) % 2**32  # as counter_hash
-        params, noise_dims = (scale, noise.tau), (step - 2**32 if step >= 2**31 else step, noise.positions.shape[1])
-    # enough `finish` blocks for every slot and for the G * D outputs (one thread each)
-    finish_blocks = max(-(-n // SLOTS_PER_FINISH_BLOCK), -(-group * head_dim // FINISH_THREADS))
-    return LaunchPlan((n, allocated, per_block, nb), params, noise_dims, nb, finish_blocks)
+        step, tau = (step - 2**32 if step >= 2**31 else step), noise.tau
+    positions = noise.positions if noise is not None else evict.positions if evict is not None else None
+    stride = 0 if positions is None else positions.shape[1]
+    bounds = (0, 0) if evict is None else (evict.n_sink, evict.recent_start)
+    if evict is not None:  # one block holds the row (it picks the row's slot)
+        finish_blocks, finish_threads = 1, EVICT_THREADS
+    else:  # enough blocks for every slot and for the G * D outputs (one thread each)
+        finish_threads = FINISH_THREADS
+        finish_blocks = max(-(-n // SLOTS_PER_FINISH_BLOCK), -(-group * head_dim // FINISH_THREADS))
+    return LaunchPlan((n, allocated, per_block, nb, finish_blocks), (scale, tau), (step, stride, *bounds), nb,
+                      finish_blocks, finish_threads)
 
 
 def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None,
-                           backend: str = "cuda", blocks: int | None = None, vec_loads: bool = VEC_LOADS):
+                           evict: EvictAt | None = None, backend: str = "cuda", blocks: int | None = None,
+                           vec_loads: bool = VEC_LOADS):
     """The two kernels; the same contract as `scored_attention_reference` for supported inputs."""
     R, G, D = q.shape
-    plan = launch_plan(n, R, G, D, keys.shape[1], scale, noise, blocks)
+    plan = launch_plan(n, R, G, D, keys.shape[1], scale, noise, evict, blocks)
     dims, params = dispatch.constant(plan.dims, mx.int32), dispatch.constant(plan.params, mx.float32)
-    noise_dims = dispatch.constant(plan.noise_dims, mx.int32)
-    if noise is None:  # not read: placeholders of the noise inputs' types
-        noise_inputs = [dispatch.constant((0,), mx.uint32), dispatch.constant((0,), mx.int32), noise_dims]
-    else:
-        noise_inputs = [noise.streams, noise.positions, noise_dims]
+    slot_dims = dispatch.constant(plan.slot_dims, mx.int32)
+    streams = noise.streams if noise is not None else dispatch.constant((0,), mx.uint32)  # placeholders: not read
+    positions = noise.positions if noise is not None else evict.positions if evict is not None else \
+        dispatch.constant((0,), mx.int32)
     flags = [("NOISY", noise is not None)]
     logits, part, stats = _kernel("attend", backend)(
-        inputs=[q, keys, values, dims, params, *noise_inputs],
+        inputs=[q, keys, values, dims, params, streams, positions, slot_dims],
         template=[("T", q.dtype), ("D", D), ("G", G), ("NT", THREADS), ("VEC", vec_loads), *flags],
         grid=(plan.chunks * THREADS, R, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(R, G, n), (R, plan.chunks, G, D), (R, plan.chunks, G, 4)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    out, sums = _kernel("finish", backend)(
+    out, sums, slot = _kernel("finish", backend)(
         inputs=[part, stats, logits, scores if scores is not None else dispatch.constant((0.0,), mx.float32), dims,
-                params, *noise_inputs],
-        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", FINISH_THREADS), ("ACCUMULATE", scores is not None), *flags],
-        grid=(plan.finish_blocks * FINISH_THREADS, R, 1),
-        threadgroup=(FINISH_THREADS, 1, 1),
-        output_shapes=[(R, G, D), (R, n)],
-        output_dtypes=[q.dtype, mx.float32],
+                params, streams, positions, slot_dims],
+        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", plan.finish_threads), ("ACCUMULATE", scores is not None),
+                  ("EVICT", evict is not None), *flags],
+        grid=(plan.finish_blocks * plan.finish_threads, R, 1),
+        threadgroup=(plan.finish_threads, 1, 1),
+        output_shapes=[(R, G, D), (R, n), (R,)],
+        output_dtypes=[q.dtype, mx.float32, mx.int32],
     )
-    return out, logits, sums
+    return out, logits, sums, slot if evict is not None else None
 
 
 def shape_supported(group: int, head_dim: int, query_dtype, kv_dtype) -> bool:
@@ -485,15 +551,17 @@ def shape_supported(group: int, head_dim: int, query_dtype, kv_dtype) -> bool:
     )
 
 
-def supported(q, keys, values, n: int, scores=None, noise: GumbelNoise | None = None) -> bool:
+def supported(q, keys, values, n: int, scores=None, noise: GumbelNoise | None = None, evict: EvictAt | None = None) -> bool:
     R, G, D = q.shape
+    positions = [a.positions for a in (noise, evict) if a is not None]
     return (
         shape_supported(G, D, q.dtype, keys.dtype) and n >= 1 and keys.dtype == values.dtype
         and keys.shape == values.shape and keys.shape[0] == R and keys.shape[2] == D and keys.shape[1] >= n
         and (scores is None or (scores.shape == (R, n) and scores.dtype == mx.float32))
-        and (noise is None or (scores is not None and noise.streams.shape == (R, G) and noise.streams.dtype == mx.uint32
-                               and noise.positions.dtype == mx.int32 and noise.positions.shape[0] == R
-                               and noise.positions.shape[1] >= n))
+        and (noise is None or (scores is not None and noise.streams.shape == (R, G) and noise.streams.dtype == mx.uint32))
+        and (evict is None or scores is not None)  # the new scores pick the slot: an accumulating method
+        and all(p.dtype == mx.int32 and p.shape[0] == R and p.shape[1] >= n for p in positions)
+        and all(p is positions[0] for p in positions)  # one positions buffer for the noise and the choice
     )
 
 
@@ -519,11 +587,13 @@ def random_noise(R: int, G: int, allocated: int, redraw: bool = True, seed: int 
 
 
 def _selftest(backend: str, dtype, variant: tuple) -> None:
-    G, D, accumulate, noisy = variant
+    G, D, accumulate, noisy, evicts = variant
     q, keys, values, scores = random_case(3, G, D, 1000, 1100, dtype, seed=1)
     given = scores if accumulate else None
     noise = random_noise(3, G, 1100, seed=2) if noisy else None
-    got = scored_attention_fused(q, keys, values, 1000, D**-0.5, given, noise, backend, blocks=5)
+    positions = noise.positions if noise is not None else random_noise(3, G, 1100, seed=2).positions
+    evict = EvictAt(positions, 5, 1050) if evicts else None
+    got = scored_attention_fused(q, keys, values, 1000, D**-0.5, given, noise, evict, backend, blocks=5)
     with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
         want = scored_attention_reference(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
                                           1000, D**-0.5, given, noise)
@@ -531,29 +601,33 @@ def _selftest(backend: str, dtype, variant: tuple) -> None:
     tolerance = _SELFTEST_TOLERANCE[dtype]
     for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (tolerance, 1e-5, 1e-5)):
         dispatch.assert_close(a, b, tol, f"scored_attention self-test ({what})")
+    if evict is not None:  # the slot evict_slot picks by the kernel's own sums, exactly
+        dispatch.assert_equal([got[3]], [evict_slot_reference(got[2], positions[:, :1000], 5, 1050)],
+                              "scored_attention self-test (slot)")
 
 
-def _backend(q, accumulate: bool, noisy: bool) -> str | None:
-    variant = (q.shape[1], q.shape[2], accumulate, noisy)
+def _backend(q, accumulate: bool, noisy: bool, evicts: bool) -> str | None:
+    variant = (q.shape[1], q.shape[2], accumulate, noisy, evicts)
     return dispatch.select("scored_attention", q.dtype, variant, lambda b: _selftest(b, q.dtype, variant))
 
 
 def fuses_noise(q) -> bool:
     """Whether `scored_attention` with scores and noise runs fused for queries like q [R, G, D] here
     (self-test on first use): callers that have a faster route than the reference use it otherwise."""
-    return shape_supported(q.shape[1], q.shape[2], q.dtype, q.dtype) and _backend(q, True, True) is not None
+    return shape_supported(q.shape[1], q.shape[2], q.dtype, q.dtype) and _backend(q, True, True, False) is not None
 
 
-def scored_attention(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None):
-    """Decode attention with scores: the fused kernels where they apply and passed their self-test
-    on this machine, else the MLX reference (see the module docstring)."""
-    if supported(q, keys, values, n, scores, noise):
-        backend = _backend(q, scores is not None, noise is not None)
+def scored_attention(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None,
+                     evict: EvictAt | None = None):
+    """Decode attention with scores (and the slot to evict): the fused kernels where they apply and
+    passed their self-test on this machine, else the MLX reference (see the module docstring)."""
+    if supported(q, keys, values, n, scores, noise, evict):
+        backend = _backend(q, scores is not None, noise is not None, evict is not None)
         if backend is not None:
-            return scored_attention_fused(q, keys, values, n, scale, scores, noise, backend)
+            return scored_attention_fused(q, keys, values, n, scale, scores, noise, evict, backend)
     else:
         dispatch.record_reference("scored_attention", q.dtype)
-    return scored_attention_reference(q, keys, values, n, scale, scores, noise)
+    return scored_attention_reference(q, keys, values, n, scale, scores, noise, evict)
 
 
 assert math.isclose(1.4426950408889634, math.log2(math.e))

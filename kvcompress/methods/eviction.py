@@ -66,7 +66,7 @@ from mlx_lm.models.cache import create_attention_mask
 from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
-from ..kernels.scored_attention import fuses_noise, scored_attention
+from ..kernels.scored_attention import EvictAt, fuses_noise, scored_attention
 from ..kernels.scored_attention import shape_supported as scored_attention_supported
 from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
 from .prompt_scores import accumulated_attention, folded_logits
@@ -171,6 +171,11 @@ class Eviction(Method):
     def evict_by(self, cache, step: int) -> mx.array:
         """What eviction ranks [R, n] at query position `step` (Keyformer's proxy adds noise here)."""
         return cache.scores
+
+    def ranks_by_scores(self) -> bool:
+        """Whether `evict_by` is the scores themselves (then the GPU's scoring launch can pick the
+        slot to evict: kvcompress/kernels/scored_attention.py)."""
+        return type(self).evict_by is Eviction.evict_by
 
     def select(self, cache, ranked: mx.array, capacity: int) -> tuple[mx.array, mx.array | None]:
         """Slots to keep [R, k] in temporal order (protected slots rank +inf), and which are real
@@ -356,8 +361,11 @@ class EvictionCache(CompressedCache):
         if noise is not None and self.fuse_scores is None and not fuses_noise(q):
             noise = None
         accumulate = plain or noise is not None
-        out, logits, sums = scored_attention(q, self._keys, self._values, n, scale, self.scores if accumulate else None,
-                                             noise)
+        # the step's new scores are then final: the same launch picks the slot to evict by them
+        evict = EvictAt(self._positions, self.config.n_sink, self._recent_start()) \
+            if accumulate and self._evicts_by_scores_now() else None
+        out, logits, sums, slot = scored_attention(q, self._keys, self._values, n, scale,
+                                                   self.scores if accumulate else None, noise, evict)
         if accumulate:
             self._scores = sums
         elif decode == "accumulate":
@@ -367,8 +375,18 @@ class EvictionCache(CompressedCache):
                                                                scale, sums)
         else:
             self._scores = self.scorer.score_step_sums(self, sums, G)
-        self._evict_down()
+        if slot is not None:
+            self.free = slot  # as _evict_down's one-pass step: the next token goes into this slot
+        else:
+            self._evict_down()
         return out.reshape(B, n_q, S, D)
+
+    def _evicts_by_scores_now(self) -> bool:
+        """Whether `_evict_down` would now pick one slot per row by `scores` (`evict_slot`)."""
+        config = self.config
+        return (config.decode != "grow" and self.length == self.capacity + 1 and not self.padded
+                and config.positions == "exact" and config.ranks_by_scores()
+                and not (self.ring_order and config.score_is_position))
 
     def _plain_scores(self) -> bool:
         """Whether a decode query's score increments are its probabilities summed over the heads."""

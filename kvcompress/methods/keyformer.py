@@ -129,6 +129,9 @@ class Keyformer(Eviction):
     def score_queries(self, cache, queries, new_keys):
         return new_keys[:, None] if self.score == "proxy" else queries
 
+    def ranks_by_scores(self) -> bool:
+        return self.score != "proxy"  # the proxy adds noise to the scores in `evict_by`
+
     def evict_by(self, cache, step):
         if self.score != "proxy":
             return cache.scores

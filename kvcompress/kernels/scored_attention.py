@@ -321,6 +321,9 @@ _FINISH_BODY = """
     KV_SHARED float inv_sum[G];
     KV_SHARED float noisy_max[G];  // NOISY: the scores' softmax (of the noisy logits) instead
     KV_SHARED float noisy_inv_sum[G];
+    KV_SHARED float best_value[EVICT ? NT : 1];  // EVICT: each thread's candidate slot
+    KV_SHARED int best_positions[EVICT ? NT : 1];
+    KV_SHARED int best_slot[EVICT ? NT : 1];
     const long part_row = row * (long)nb * G;
     if (warp < G) {  // warp g: the softmax's max and sum for head g, the lanes striding the partials
         const int g = warp;
@@ -390,9 +393,6 @@ _FINISH_BODY = """
         }
     }
     if (EVICT) {
-        KV_SHARED float best_value[NT];
-        KV_SHARED int best_positions[NT];
-        KV_SHARED int best_slot[NT];
         best_value[tid] = best;
         best_positions[tid] = best_position;
         best_slot[tid] = best_at;
@@ -611,10 +611,11 @@ def _backend(q, accumulate: bool, noisy: bool, evicts: bool) -> str | None:
     return dispatch.select("scored_attention", q.dtype, variant, lambda b: _selftest(b, q.dtype, variant))
 
 
-def fuses_noise(q) -> bool:
-    """Whether `scored_attention` with scores and noise runs fused for queries like q [R, G, D] here
-    (self-test on first use): callers that have a faster route than the reference use it otherwise."""
-    return shape_supported(q.shape[1], q.shape[2], q.dtype, q.dtype) and _backend(q, True, True, False) is not None
+def fuses(q, accumulate: bool, noisy: bool, evicts: bool) -> bool:
+    """Whether `scored_attention` runs fused for queries like q [R, G, D] and these options here
+    (self-test on first use): callers with a faster route than the reference for an option take it
+    where the option's kernels do not run."""
+    return shape_supported(q.shape[1], q.shape[2], q.dtype, q.dtype) and _backend(q, accumulate, noisy, evicts) is not None
 
 
 def scored_attention(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None,

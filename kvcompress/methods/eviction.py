@@ -66,7 +66,7 @@ from mlx_lm.models.cache import create_attention_mask
 from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
-from ..kernels.scored_attention import EvictAt, fuses_noise, scored_attention
+from ..kernels.scored_attention import EvictAt, fuses, scored_attention
 from ..kernels.scored_attention import shape_supported as scored_attention_supported
 from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
 from .prompt_scores import accumulated_attention, folded_logits
@@ -358,12 +358,15 @@ class EvictionCache(CompressedCache):
         plain = decode == "accumulate" and self._plain_scores()
         # Keyformer: its noisy softmax in the kernels too, where they run it (else the MLX ops below)
         noise = self.scorer.kernel_noise(self, R, G) if decode == "accumulate" and not plain else None
-        if noise is not None and self.fuse_scores is None and not fuses_noise(q):
+        device = self.fuse_scores is None  # not a test forcing this path on a CPU
+        if noise is not None and device and not fuses(q, True, True, False):
             noise = None
         accumulate = plain or noise is not None
         # the step's new scores are then final: the same launch picks the slot to evict by them
         evict = EvictAt(self._positions, self.config.n_sink, self._recent_start()) \
             if accumulate and self._evicts_by_scores_now() else None
+        if evict is not None and device and not fuses(q, True, noise is not None, True):
+            evict = None  # evict_slot below
         out, logits, sums, slot = scored_attention(q, self._keys, self._values, n, scale,
                                                    self.scores if accumulate else None, noise, evict)
         if accumulate:

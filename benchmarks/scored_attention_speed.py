@@ -7,7 +7,8 @@ L2 does not hold them), median of `--repeats` evaluations:
   sdpa + mlx ops   SDPA, then the scores' own logits (q @ K^T), softmax, column sum, add: the path
                    before the kernels (H2O)
   kernels ...      scored_attention_fused: plain (H2O's update in the launch) or with Keyformer's
-                   noise; `vec` = one load of C consecutive channels per lane (VEC_LOADS)
+                   noise, choosing the slot to evict (evicts), with one load of C consecutive
+                   channels per lane (vec: VEC_LOADS) or fewer slots per warp step (unroll: MAX_UNROLL)
 
     python benchmarks/scored_attention_speed.py [--slots 16385] [--rows 8] [--group 4] [--head-dim 128]
 """
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from kvcompress.kernels import scored_attention as kernel  # noqa: E402
+from kvcompress.kernels.evict import evict_slot_fused  # noqa: E402
 from kvcompress.methods.prompt_scores import folded_logits  # noqa: E402
 
 
@@ -64,17 +66,26 @@ def main():
         logits = folded_logits(queries[i][:, :, None], buffers[i % 8][:, :n], scale)
         return [sdpa(i), scores + mx.softmax(logits, axis=-1, precise=True).sum(axis=(1, 2))]
 
-    def kernels(i, vec, noisy):
+    evict = kernel.EvictAt(noise.positions, 4, allocated - 64)
+
+    def kernels(i, vec=False, noisy=False, evicts=False, unroll=kernel.MAX_UNROLL):
         return kernel.scored_attention_fused(queries[i], buffers[i % 8], buffers[(i + 1) % 8], n, scale, scores,
-                                             noise if noisy else None, backend, vec_loads=vec)
+                                             noise if noisy else None, evict if evicts else None, backend,
+                                             vec_loads=vec, max_unroll=unroll)
 
     print(f"mlx {mx.__version__} {mx.default_device()}, {R} rows x {G} heads, D {D}, float16, {n} slots; us per call")
     rows = [("sdpa", lambda: [sdpa(i) for i in range(32)]),
             ("sdpa + mlx ops (H2O before)", lambda: [mlx_ops(i) for i in range(32)])]
-    for vec in (False, True):
-        for noisy in (False, True):
-            rows.append((f"kernels{' noisy' if noisy else ''}{' vec' if vec else ''}",
-                         lambda vec=vec, noisy=noisy: [kernels(i, vec, noisy) for i in range(32)]))
+    def kernels_then_evict_slot(i):  # the slot chosen by its own launch, as before EVICT
+        out, logits, sums, _ = kernels(i)
+        return [out, evict_slot_fused(sums, noise.positions[:, :n], 4, allocated - 64, backend)]
+
+    rows.append(("kernels + evict_slot", lambda: [kernels_then_evict_slot(i) for i in range(32)]))
+    variants = [dict(), dict(noisy=True), dict(evicts=True), dict(noisy=True, evicts=True), dict(vec=True),
+                dict(unroll=4), dict(vec=True, unroll=4)]
+    for options in variants:
+        name = "kernels " + " ".join(f"{k}={v}" for k, v in options.items())
+        rows.append((name, lambda options=options: [kernels(i, **options) for i in range(32)]))
     for rnd in range(2):  # twice: the second round shows the noise of the measurement
         for name, build in rows:
             print(f"round {rnd}  {name:30s} {per_call(build):7.1f}", flush=True)

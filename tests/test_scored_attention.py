@@ -250,13 +250,16 @@ def test_gpu_cache_step_close_to_plain_step(method):
 @needs_gpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize("noise", [None, "redraw"])
-def test_vector_loads_match_reference(dtype, noise):
-    """`attend` with one load of C consecutive channels per lane (VEC_LOADS, not yet the default)."""
+@pytest.mark.parametrize("vec, unroll", [(True, 8), (False, 4), (True, 4)])
+def test_attend_variants_match_reference(dtype, noise, vec, unroll):
+    """`attend` with one load of C consecutive channels per lane (VEC_LOADS) or fewer slots per
+    warp step (MAX_UNROLL): not yet the defaults, timed by benchmarks/scored_attention_speed.py."""
     for i, (R, G, D, n, allocated) in enumerate([(3, 4, 128, 77, 256), (8, 4, 128, 16385, 16640), (2, 3, 64, 1000, 1024),
                                                  (2, 8, 256, 500, 512)]):
         q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, dtype, seed=i)
         gumbel = None if noise is None else kernel.random_noise(R, G, allocated, seed=i)
-        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, scores, gumbel, backend=GPU, vec_loads=True)[:3]
+        got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, scores, gumbel, backend=GPU, vec_loads=vec,
+                                            max_unroll=unroll)[:3]
         want = reference_f32(q, keys, values, n, D**-0.5, scores, gumbel)
         for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (TOLERANCE[dtype], 1e-5, 1e-5)):
             dispatch.assert_close(a, b, max(tol, 5e-5 if n > 4096 else 0), f"{what} R={R} n={n}")

@@ -81,6 +81,9 @@ MAX_GROUP = 8
 # fp16. Written after the last GPU session, checked on the CPU (tests/test_kernel_sources.py), not
 # yet timed: off until benchmarks/EVICTION_GPU_NOTES.md says it is faster.
 VEC_LOADS = False
+# Slots a warp takes per step (at most; 32 / G when smaller): their loads are in flight together.
+# Fewer hold fewer registers (132 a thread at 8, 12 warps per SM on the H200): 4 is untimed.
+MAX_UNROLL = 8
 THREADS = 128  # 4 warps per `attend` block
 FINISH_THREADS = 256
 EVICT_THREADS = 1024  # `finish` when it also picks the slot to evict: one block of these per row
@@ -140,9 +143,9 @@ _ATTEND_BODY = """
     constexpr int NW = NT / 32;
     constexpr int C = D / 32;  // channels per lane: lane, lane + 32, ... (VEC: lane * C, ..., lane * C + C - 1)
     constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;  // heads padded to a power of two
-    constexpr int UN = 32 / GP < 8 ? 32 / GP : 8;  // slots per warp step
+    constexpr int UN = 32 / GP < MAX_UN ? 32 / GP : MAX_UN;  // slots per warp step
     constexpr int V = UN * GP;  // dot products per warp step, index u * GP + g
-    constexpr int LV = V == 32 ? 5 : V == 16 ? 4 : 3;
+    constexpr int LV = V == 32 ? 5 : V == 16 ? 4 : V == 8 ? 3 : V == 4 ? 2 : V == 2 ? 1 : 0;  // log2(V)
     constexpr int LG = GP == 8 ? 3 : GP == 4 ? 2 : GP == 2 ? 1 : 0;
     constexpr int SHIFT = 5 - LV;  // lanes 2^SHIFT apart hold copies of the same dot product
     const int n = dims[0];
@@ -512,7 +515,7 @@ def launch_plan(n: int, rows: int, group: int, head_dim: int, allocated: int, sc
 
 def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, noise: GumbelNoise | None = None,
                            evict: EvictAt | None = None, backend: str = "cuda", blocks: int | None = None,
-                           vec_loads: bool = VEC_LOADS):
+                           vec_loads: bool = VEC_LOADS, max_unroll: int = MAX_UNROLL):
     """The two kernels; the same contract as `scored_attention_reference` for supported inputs."""
     R, G, D = q.shape
     plan = launch_plan(n, R, G, D, keys.shape[1], scale, noise, evict, blocks)
@@ -524,7 +527,8 @@ def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, n
     flags = [("NOISY", noise is not None)]
     logits, part, stats = _kernel("attend", backend)(
         inputs=[q, keys, values, dims, params, streams, positions, slot_dims],
-        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", THREADS), ("VEC", vec_loads), *flags],
+        template=[("T", q.dtype), ("D", D), ("G", G), ("NT", THREADS), ("VEC", vec_loads), ("MAX_UN", max_unroll),
+                  *flags],
         grid=(plan.chunks * THREADS, R, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(R, G, n), (R, plan.chunks, G, D), (R, plan.chunks, G, 4)],

@@ -35,6 +35,7 @@ DECLARATIONS = r"""
 using std::min;
 struct dim3_ { unsigned int x, y, z; };
 thread_local dim3_ threadIdx, blockIdx;
+dim3_ blockDim, gridDim;  // set per launch
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -62,6 +63,8 @@ template <typename X> X __shfl_xor_sync(unsigned int, X v, int m) {
     return r;
 }
 template <class F> void launch(int blocks_x, int blocks_y, int threads, F body) {
+    blockDim = {(unsigned)threads, 1, 1};
+    gridDim = {(unsigned)blocks_x, (unsigned)blocks_y, 1};
     for (int y = 0; y < blocks_y; ++y) {
         for (int x = 0; x < blocks_x; ++x) {
             g_block = std::make_unique<std::barrier<>>(threads);

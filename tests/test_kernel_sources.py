@@ -1,4 +1,4 @@
-"""The CUDA kernel bodies of kvcompress/kernels/scored_attention.py on the CPU (tests/cuda_on_cpu.py:
+"""The CUDA kernel bodies of kvcompress/kernels/scored_attention.py and evict.py's slot choice on the CPU (tests/cuda_on_cpu.py:
 g++, one OS thread per GPU thread, shuffles and barriers emulated): they compile as C++, and run
 as written they give the MLX reference's numbers. A GPU still decides speed and the GPU math
 library's rounding (tests/test_scored_attention.py there). Skipped without g++."""
@@ -124,3 +124,24 @@ def test_the_run_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel, "_FINISH_BODY", kernel._FINISH_BODY.replace("/ tau - noisy_max[g]", "/ tau - final_max[g]"))
     with pytest.raises(AssertionError, match="sums"):
         test_cuda_source_run_on_cpu_matches_reference(tmp_path, 4, 64, True, "redraw", False, False, 8)
+
+
+def test_evict_slot_cuda_source_is_bit_exact_on_cpu(tmp_path):
+    """kernels/evict.py's slot choice, run as written: exactly the reference's slot, on rows with
+    many score ties and true positions shuffled over the slots (the tie rule is by position)."""
+    from kvcompress.kernels import evict
+
+    R, n, n_sink, recent_start = 3, 5000, 7, 9000
+    k1, k2 = mx.random.split(mx.random.key(11), 2)
+    evict_by = mx.floor(mx.random.uniform(shape=(R, n), key=k1) * 6)
+    positions = (mx.argsort(mx.random.uniform(shape=(R, n), key=k2), axis=1) * 2).astype(mx.int32)
+    source = evict.CUDA_HEADER + f"#define SLOT_THREADS {evict.SLOT_THREADS}\n#define SLOT_UNROLL {evict.SLOT_UNROLL}\n"
+    source += ("__global__ void evict_slot(const float* evict_by, const int32_t* evict_by_shape, const int32_t* positions, "
+               "const int32_t* bounds, int32_t* slot_out) {\n" + evict._SLOT_INDEX["cuda"] + evict._SLOT_BODY + "}\n")
+    inputs = {"evict_by": np.array(evict_by), "evict_by_shape": np.array([R, n], np.int32),
+              "positions": np.array(positions), "bounds": np.array([n_sink, recent_start], np.int32)}
+    got = cuda_on_cpu.run(source, [("evict_slot", 1, R, evict.SLOT_THREADS,
+                                    ["evict_by", "evict_by_shape", "positions", "bounds", "slot_out"])],
+                          inputs, {"slot_out": (R, np.int32)}, tmp_path)["slot_out"]
+    want = evict.evict_slot_reference(evict_by, positions, n_sink, recent_start)
+    np.testing.assert_array_equal(got, np.array(want))

@@ -32,6 +32,7 @@ DECLARATIONS = r"""
 #include <memory>
 #include <thread>
 #include <vector>
+using std::max;
 using std::min;
 struct dim3_ { unsigned int x, y, z; };
 thread_local dim3_ threadIdx, blockIdx;
@@ -42,6 +43,13 @@ dim3_ blockDim, gridDim;  // set per launch
 #define __shared__ static
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned int i) { float f; std::memcpy(&f, &i, 4); return f; }
+// correctly rounded single operations: plain float arithmetic here (g++ on x86-64 does not contract
+// them into FMAs without -mfma or -ffp-contract=fast)
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct __half { unsigned short bits; __half() {} __half(float) {} operator float() const { return 0.0f; } };
 """
 
@@ -101,7 +109,8 @@ template <typename X> void save(const char* path, const std::vector<X>& v) {
 }
 """
 
-C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t"}
+C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t",
+           np.dtype(np.int64): "int64_t"}
 
 
 def compile_only(source: str, workdir: Path) -> subprocess.CompletedProcess:
@@ -115,20 +124,21 @@ def compile_only(source: str, workdir: Path) -> subprocess.CompletedProcess:
 
 
 def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inputs: dict[str, np.ndarray],
-        outputs: dict[str, tuple[int, np.dtype]], workdir: Path) -> dict[str, np.ndarray]:
+        outputs: dict[str, tuple[int, np.dtype]], workdir: Path, init_value=None) -> dict[str, np.ndarray]:
     """Compile `kernels` (C++ kernel functions) and run `launches` in order on the CPU.
 
     launches: (kernel call prefix, e.g. "attend<float, 64, 4, 128, true>", blocks x, blocks y, threads
     per block, argument names); inputs: name -> array (written to disk, read back by the program);
-    outputs: name -> (element count, dtype), zero-initialized; an output may be the input of a later
-    launch. Returns the outputs."""
+    outputs: name -> (element count, dtype), zero-initialized (or `init_value`, as MLX's); an output
+    may be the input of a later launch. Returns the outputs."""
     arrays = []
     for name, a in inputs.items():
         a = np.ascontiguousarray(a)
         (workdir / f"{name}.bin").write_bytes(a.tobytes())
         arrays.append(f'    auto {name} = load<{C_TYPES[a.dtype]}>("{workdir}/{name}.bin");')
     for name, (count, dtype) in outputs.items():
-        arrays.append(f"    std::vector<{C_TYPES[np.dtype(dtype)]}> {name}({count});")
+        fill = "" if init_value is None else f", {init_value!r}"
+        arrays.append(f"    std::vector<{C_TYPES[np.dtype(dtype)]}> {name}({count}{fill});")
     calls = []
     for call, blocks_x, blocks_y, threads, args in launches:
         pointers = ", ".join(f"{a}.data()" for a in args)
@@ -144,3 +154,68 @@ def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inpu
         raise RuntimeError(build.stderr[-3000:])
     subprocess.run([str(binary)], check=True, timeout=300)
     return {name: np.fromfile(workdir / f"{name}.out", dtype=dtype) for name, (count, dtype) in outputs.items()}
+
+
+# -- mx.fast.cuda_kernel on the CPU -------------------------------------------------------------
+
+_MX_C_TYPES = {"float32": "float", "int32": "int32_t", "uint32": "uint32_t"}
+
+
+class EmulatedKernel:
+    """Stands in for `mx.fast.cuda_kernel(...)`: called as MLX calls a kernel (inputs, template,
+    grid and threadgroup in threads, output shapes and dtypes), it compiles the body into a C++
+    kernel with the signature MLX would give it (`const T* name` per input, `T* name` per output,
+    `name_shape` where the body uses it, the template parameters) and runs it with `run`.
+    float32 / int32 / uint32 arrays only. Used with `monkeypatch.setattr(mx.fast, "cuda_kernel",
+    emulated(tmp_path))`, so a kernel's own Python wrapper (its launch plan) runs unchanged."""
+
+    def __init__(self, workdir: Path, name: str, input_names: list, output_names: list, source: str,
+                 header: str = "", **_):
+        self.workdir, self.name, self.source, self.header = workdir, name, source, header
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self.calls = 0
+
+    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template=(), init_value=None, **_):
+        import mlx.core as mx
+
+        arrays = {name: np.array(a) for name, a in zip(self.input_names, inputs)}
+        params = [f"const {C_TYPES[a.dtype]}* {name}" for name, a in arrays.items()]
+        shapes = {}
+        for name, a in arrays.items():
+            if f"{name}_shape" in self.source:
+                shapes[f"{name}_shape"] = np.array(a.shape, np.int32)
+                params.append(f"const int32_t* {name}_shape")
+        outputs = {name: (int(np.prod(shape)), _np_dtype(dtype))
+                   for name, shape, dtype in zip(self.output_names, output_shapes, output_dtypes)}
+        params += [f"{C_TYPES[np.dtype(dtype)]}* {name}" for name, (_, dtype) in outputs.items()]
+        template_params, template_args = [], []
+        for key, value in template:
+            if isinstance(value, bool):
+                template_params.append(f"bool {key}")
+                template_args.append(str(value).lower())
+            elif isinstance(value, int):
+                template_params.append(f"int {key}")
+                template_args.append(str(value))
+            else:  # a dtype
+                template_params.append(f"typename {key}")
+                template_args.append(_MX_C_TYPES[str(value).split(".")[-1]])
+        prefix = f"template <{', '.join(template_params)}>\n" if template_params else ""
+        kernel = f"{self.header}\n{prefix}__global__ void {self.name}({', '.join(params)}) {{\n{self.source}\n}}\n"
+        call = self.name + (f"<{', '.join(template_args)}>" if template_args else "")
+        blocks_x, blocks_y = grid[0] // threadgroup[0], grid[1] // threadgroup[1]
+        workdir = self.workdir / f"{self.name}_{self.calls}"
+        workdir.mkdir(parents=True)
+        self.calls += 1
+        names = list(arrays) + list(shapes) + list(outputs)
+        got = run(kernel, [(call, blocks_x, blocks_y, threadgroup[0], names)], {**arrays, **shapes}, outputs, workdir,
+                  init_value)
+        return [mx.array(got[name].reshape(shape)) for name, shape in zip(self.output_names, output_shapes)]
+
+
+def _np_dtype(dtype) -> np.dtype:
+    return np.dtype(str(dtype).split(".")[-1])
+
+
+def emulated(workdir: Path):
+    """A replacement for `mx.fast.cuda_kernel` that builds EmulatedKernels writing under workdir."""
+    return lambda **kwargs: EmulatedKernel(workdir, **kwargs)

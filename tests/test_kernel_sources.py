@@ -59,7 +59,7 @@ __global__ void finish(const float* part, const float* stats, const float* logit
 def test_scored_attention_source_compiles_as_cpp(tmp_path):
     header = CUDA_HEADER + kernel._EXTRA_HEADER["cuda"] + kernel._CHANNELS
     source = header + f"#define SLOTS_PER_BLOCK {kernel.SLOTS_PER_FINISH_BLOCK}\n"
-    source += ATTEND % (kernel._INDEX["cuda"] + kernel._ATTEND_BODY) + FINISH % (kernel._INDEX["cuda"] + kernel._FINISH_BODY)
+    source += ATTEND % kernel.kernel_source("attend", "cuda") + FINISH % kernel.kernel_source("finish", "cuda")
     for T, D, G, vec, noisy in (("__half", 128, 4, "true", "true"), ("float", 64, 3, "false", "false"),
                                 ("float", 256, 8, "true", "true"), ("__half", 32, 1, "false", "false")):
         source += f"template void attend<{T}, {D}, {G}, {kernel.THREADS}, {vec}, 8, {noisy}>(const {T}*, const {T}*, " \

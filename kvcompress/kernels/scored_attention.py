@@ -148,15 +148,9 @@ _ATTEND_BODY = """
     constexpr int LV = V == 32 ? 5 : V == 16 ? 4 : V == 8 ? 3 : V == 4 ? 2 : V == 2 ? 1 : 0;  // log2(V)
     constexpr int LG = GP == 8 ? 3 : GP == 4 ? 2 : GP == 2 ? 1 : 0;
     constexpr int SHIFT = 5 - LV;  // lanes 2^SHIFT apart hold copies of the same dot product
-    const int n = dims[0];
     const int allocated = dims[1];
     const int per_block = dims[2];
-    const int nb = dims[3];
     const float scale = params[0];
-    const float tau = params[1];
-    const float log2e = 1.4426950408889634f;
-    const int lane = tid % 32;
-    const int warp = tid / 32;
     const long kv_row = row * (long)allocated * D;
     // after the reduction below, lane l holds dot product (u, g) = (idx / GP, idx % GP), idx = l >> SHIFT
     const int idx = lane >> SHIFT;
@@ -313,13 +307,6 @@ _ATTEND_BODY = """
 """
 
 _FINISH_BODY = """
-    const int n = dims[0];
-    const int allocated = dims[1];
-    const int nb = dims[3];
-    const float tau = params[1];
-    const float log2e = 1.4426950408889634f;
-    const int lane = tid % 32;
-    const int warp = tid / 32;
     KV_SHARED float final_max[G];
     KV_SHARED float inv_sum[G];
     KV_SHARED float noisy_max[G];  // NOISY: the scores' softmax (of the noisy logits) instead
@@ -416,6 +403,15 @@ _FINISH_BODY = """
     }
 """
 
+# what both kernels read first
+_ARGUMENTS = """
+    const int n = dims[0];
+    const int nb = dims[3];
+    const float tau = params[1];
+    const float log2e = 1.4426950408889634f;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+"""
 _INDEX = {
     "cuda": "const int tid = threadIdx.x; const int blk = blockIdx.x; const long row = blockIdx.y;\n",
     "metal": "const int tid = (int)thread_position_in_threadgroup.x; const int blk = (int)threadgroup_position_in_grid.x;"
@@ -455,17 +451,22 @@ inline float gumbel(unsigned int step_hash, unsigned int position) {
 _kernels: dict[tuple[str, str], object] = {}
 
 
+def kernel_source(which: str, backend: str) -> str:
+    """The body MLX compiles for kernel `which` ("attend" or "finish") on `backend`."""
+    return _INDEX[backend] + _ARGUMENTS + (_ATTEND_BODY if which == "attend" else _FINISH_BODY)
+
+
 def _kernel(which: str, backend: str):
     key = (which, backend)
     if key not in _kernels:
-        noise = ["streams", "positions", "slot_dims"]
+        shared = ["streams", "positions", "slot_dims"]  # the noise, the slots' positions, small ints
         if which == "attend":
-            inputs, outputs, body = ["q", "keys", "values", "dims", "params", *noise], ["logits", "part", "stats"], _ATTEND_BODY
+            inputs, outputs = ["q", "keys", "values", "dims", "params", *shared], ["logits", "part", "stats"]
         else:
-            inputs, outputs, body = ["part", "stats", "logits", "scores", "dims", "params", *noise], ["out", "sums", "slot_out"], _FINISH_BODY
+            inputs, outputs = ["part", "stats", "logits", "scores", "dims", "params", *shared], ["out", "sums", "slot_out"]
         header = (CUDA_HEADER if backend == "cuda" else METAL_HEADER) + _EXTRA_HEADER[backend] + _CHANNELS + (
             f"#define SLOTS_PER_BLOCK {SLOTS_PER_FINISH_BLOCK}\n")
-        source = _INDEX[backend] + body
+        source = kernel_source(which, backend)
         # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
         name = f"scored_{which}_{zlib.crc32((header + source).encode()):08x}"
         make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel

@@ -191,8 +191,10 @@ def reference_f32(q, keys, values, n, scale, scores, noise=None):
 @pytest.mark.parametrize("accumulate, noise, evicts", [(False, None, False), (True, None, False), (True, None, True),
                                                      (True, "redraw", True), (True, "frozen", False)])
 def test_fused_matches_reference(dtype, G, D, accumulate, noise, evicts):
-    for i, (R, n, allocated, blocks) in enumerate([(1, 1, 1, None), (3, 77, 256, None), (8, 1000, 1280, 7),
-                                                   (8, 16385, 16640, None)]):
+    sizes = [(1, 1, 1, None), (3, 77, 256, None), (8, 1000, 1280, 7)]
+    if dtype == mx.float16 and (G, D) == (4, 128):  # the Llama-3.1-8B shape at 16k kept slots
+        sizes.append((8, 16385, 16640, None))
+    for i, (R, n, allocated, blocks) in enumerate(sizes):
         q, keys, values, scores = kernel.random_case(R, G, D, n, allocated, dtype, seed=i)
         given = scores if accumulate else None
         # the positions buffer may be longer than the keys' (the cache aligns only keys and values)

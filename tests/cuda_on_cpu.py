@@ -135,7 +135,7 @@ def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inpu
     for name, a in inputs.items():
         a = np.ascontiguousarray(a)
         (workdir / f"{name}.bin").write_bytes(a.tobytes())
-        arrays.append(f'    auto {name} = load<{C_TYPES[a.dtype]}>("{workdir}/{name}.bin");')
+        arrays.append(f'    auto {name} = load<{C_TYPES[a.dtype]}>("{name}.bin");')
     for name, (count, dtype) in outputs.items():
         fill = "" if init_value is None else f", {init_value!r}"
         arrays.append(f"    std::vector<{C_TYPES[np.dtype(dtype)]}> {name}({count}{fill});")
@@ -143,17 +143,24 @@ def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inpu
     for call, blocks_x, blocks_y, threads, args in launches:
         pointers = ", ".join(f"{a}.data()" for a in args)
         calls.append(f"    launch({blocks_x}, {blocks_y}, {threads}, [&] {{ {call}({pointers}); }});")
-    saves = [f'    save("{workdir}/{name}.out", {name});' for name in outputs]
+    saves = [f'    save("{name}.out", {name});' for name in outputs]
     main = "int main() {\n" + "\n".join(arrays + calls + saves) + "\n    return 0;\n}\n"
-    source = workdir / "run.cpp"
-    source.write_text(DECLARATIONS + RUNTIME + kernels + main)
-    binary = workdir / "run"
-    build = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(binary)],
-                           capture_output=True, text=True)
-    if build.returncode:
-        raise RuntimeError(build.stderr[-3000:])
-    subprocess.run([str(binary)], check=True, timeout=300)
+    program = DECLARATIONS + RUNTIME + kernels + main
+    binary = _binaries.get(program)
+    if binary is None:  # the same program (kernel, template, sizes) again: reuse its build
+        source = workdir / "run.cpp"
+        source.write_text(program)
+        binary = workdir / "run"
+        build = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(binary)],
+                               capture_output=True, text=True)
+        if build.returncode:
+            raise RuntimeError(build.stderr[-3000:])
+        _binaries[program] = binary
+    subprocess.run([str(binary)], check=True, timeout=300, cwd=workdir)
     return {name: np.fromfile(workdir / f"{name}.out", dtype=dtype) for name, (count, dtype) in outputs.items()}
+
+
+_binaries: dict[str, Path] = {}  # program text -> its build (files are read from the working directory)
 
 
 # -- mx.fast.cuda_kernel on the CPU -------------------------------------------------------------

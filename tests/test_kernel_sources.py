@@ -162,3 +162,48 @@ def test_evict_slot_is_bit_exact(emulated_cuda):
     positions = (mx.argsort(mx.random.uniform(shape=(R, n), key=k2), axis=1) * 2).astype(mx.int32)
     got = evict.evict_slot_fused(evict_by, positions, n_sink, recent_start, "cuda")
     assert_equal([got], [evict.evict_slot_reference(evict_by, positions, n_sink, recent_start)], "slot")
+
+
+# -- the dispatch's self-tests, and a cache taking the kernels ------------------------------------------
+
+def test_every_self_test_passes_its_kernel(emulated_cuda):
+    """The self-tests the dispatch runs on a GPU's first call: their own code (arguments, the
+    comparison) runs here against the emulated kernels, so a broken self-test would not silently
+    turn a GPU to the reference."""
+    evict._slot_selftest("cuda")
+    evict._selftest("cuda", mx.float32, True, False)
+    kivi_quant._selftest("cuda", mx.float32, 2, 32, True)
+    kivi_attention._selftest("cuda", mx.float32, (4, 2, 32, 64, 4, 1, False))
+    kernel._selftest("cuda", mx.float32, (4, 64, True, True, True))  # every option (the others: fewer branches)
+
+
+def test_a_self_test_rejects_a_wrong_kernel(emulated_cuda, monkeypatch):
+    monkeypatch.setattr(kernel, "_FINISH_BODY", kernel._FINISH_BODY.replace("slot_out[row] = best_slot[0]",
+                                                                            "slot_out[row] = best_slot[1]"))
+    with pytest.raises(AssertionError, match="slot"):
+        kernel._selftest("cuda", mx.float32, (4, 64, True, False, True))
+
+
+@pytest.mark.parametrize("method", ["h2o", "keyformer"])
+def test_cache_step_through_the_kernels(emulated_cuda, monkeypatch, method):
+    """An H2O / Keyformer cache whose dispatch sees a CUDA GPU runs its decode steps through the
+    (emulated) kernels, noise and slot choice included, and keeps what the plain step keeps."""
+    from kvcompress.kernels import dispatch
+    from test_scored_attention import Layer
+
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: "cuda")
+    dispatch.forget_verdicts()
+    dispatch.reset_paths()
+    try:
+        layer = Layer(method, budget=40, H=2, G=4, D=64, seed=8)
+        layer.feed(79)
+        layer.feed()
+        for _ in range(3):
+            plain, scored = layer.feed()
+            assert_close(scored, plain, "output", atol=1e-5)
+            assert_close(layer.scored.scores, layer.plain.scores, "scores", atol=1e-6)
+            assert np.array_equal(np.array(layer.scored.kept_positions()), np.array(layer.plain.kept_positions()))
+        assert dispatch.paths_used()["scored_attention/cuda/float32"] == "fused"  # (the plain cache: evict_slot)
+    finally:
+        dispatch.forget_verdicts()
+        dispatch.reset_paths()

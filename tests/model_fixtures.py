@@ -1,7 +1,8 @@
 """Model fixtures that need nothing but MLX and mlx-lm: conftest.py imports them, and a GPU machine
 without the project installed loads them alone (`pytest --noconftest -p model_fixtures`, as
-benchmarks/kivi_gpu_check.sh does)."""
+benchmarks/kivi_gpu_check.sh does). Also `TwinCaches`, for tests that compare two paths of a cache."""
 
+import numpy as np
 import pytest
 
 
@@ -25,3 +26,29 @@ def tiny_llama():
     mx.eval(model.parameters())
     install()
     return model
+
+
+class TwinCaches:
+    """Two caches of one attention layer fed the same random post-RoPE keys, values and queries
+    (B batch, H KV heads, G queries per KV head, head dim D), as mlx-lm's attention calls them."""
+
+    def __init__(self, first, second, B: int, H: int, G: int, D: int, seed: int):
+        self.caches = (first, second)
+        self.B, self.H, self.G, self.D = B, H, G, D
+        self.rng = np.random.default_rng(seed)
+
+    def normal(self, heads: int, S: int):
+        import mlx.core as mx
+
+        return mx.array(self.rng.standard_normal((self.B, heads, S, self.D)).astype(np.float32))
+
+    def feed(self, S: int = 1) -> list:
+        """S new tokens into both caches; their attention outputs [B, H * G, S, D]."""
+        k, v, q = self.normal(self.H, S), self.normal(self.H, S), self.normal(self.H * self.G, S)
+        outs = []
+        for c in self.caches:
+            keys, values = c.update_and_fetch(k, v)
+            mask = c.make_mask(S, return_array=True) if S > 1 else None
+            outs.append(c.attention(q, keys, values, scale=self.D**-0.5, mask=mask))
+        return outs
+

@@ -17,34 +17,22 @@ from kvcompress.kernels import scored_attention as kernel
 from kvcompress.methods import method_config
 from kvcompress.methods import eviction
 from kvcompress.methods.eviction import EvictionCache
+from model_fixtures import TwinCaches
 
 GPU = dispatch.gpu_backend()
 needs_gpu = pytest.mark.skipif(GPU is None, reason="needs a CUDA or Metal GPU (the fused kernels run only there)")
 
 
-class Layer:
+class Layer(TwinCaches):
     """One layer fed the same random post-RoPE tokens twice: the plain step and `_scored_step`."""
 
     def __init__(self, method, budget=24, B=1, H=2, G=3, D=32, seed=0, **params):
         self.cfg = method_config(method, budget=budget, **params)
-        self.B, self.H, self.G, self.D = B, H, G, D
-        self.rng = np.random.default_rng(seed)
         self.plain = EvictionCache(self.cfg, 0, 1, H, D, None, D**-0.5)
         self.plain.fuse_scores = False
         self.scored = EvictionCache(self.cfg, 0, 1, H, D, None, D**-0.5)
         self.scored.fuse_scores = True
-
-    def normal(self, heads, S):
-        return mx.array(self.rng.standard_normal((self.B, heads, S, self.D)).astype(np.float32))
-
-    def feed(self, S=1):
-        k, v, q = self.normal(self.H, S), self.normal(self.H, S), self.normal(self.H * self.G, S)
-        outs = []
-        for c in (self.plain, self.scored):
-            keys, values = c.update_and_fetch(k, v)
-            mask = c.make_mask(S, return_array=True) if S > 1 else None
-            outs.append(c.attention(q, keys, values, scale=self.D**-0.5, mask=mask))
-        return outs
+        super().__init__(self.plain, self.scored, B, H, G, D, seed)
 
 
 @pytest.mark.parametrize("method, params", [("h2o", {}), ("h2o", {"recent": 4}), ("tova", {}),

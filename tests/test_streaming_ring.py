@@ -15,6 +15,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.methods.eviction import Eviction, EvictionCache
+from model_fixtures import TwinCaches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from host_graph import op_count  # noqa: E402
@@ -53,27 +54,18 @@ def test_streaming_scores_are_positions():
     assert method_config("streaming").score_is_position and not method_config("h2o").score_is_position
 
 
-class Layer:
+class Layer(TwinCaches):
     """One layer fed random post-RoPE keys, values and queries, twice: ring and kernel path."""
 
     def __init__(self, budget, n_sink, B=1, H=3, rep=2, D=16, seed=0):
         self.cfg = method_config("streaming", budget=budget, n_sink=n_sink)
-        self.B, self.H, self.rep, self.D = B, H, rep, D
-        self.rng = np.random.default_rng(seed)
         rope = nn.RoPE(D, base=BASE)
         self.ring = EvictionCache(self.cfg, 0, 1, H, D, rope, D**-0.5)
         self.kernel = kernel_path([EvictionCache(self.cfg, 0, 1, H, D, rope, D**-0.5)])[0]
-
-    def normal(self, heads, S):
-        return mx.array(self.rng.standard_normal((self.B, heads, S, self.D)).astype(np.float32))
+        super().__init__(self.ring, self.kernel, B, H, rep, D, seed)
 
     def feed(self, S=1):
-        k, v, q = self.normal(self.H, S), self.normal(self.H, S), self.normal(self.H * self.rep, S)
-        outs = []
-        for c in (self.ring, self.kernel):
-            keys, values = c.update_and_fetch(k, v)
-            mask = c.make_mask(S, return_array=True) if S > 1 else None
-            outs.append(c.attention(q, keys, values, scale=self.D**-0.5, mask=mask))
+        outs = super().feed(S)
         assert mx.array_equal(*outs).item()
         assert_same(self.ring, self.kernel)
 

@@ -64,7 +64,6 @@ behind the macros of kivi_attention.py; it cannot be run on these machines (no A
 
 from __future__ import annotations
 
-import math
 import zlib
 from typing import NamedTuple
 
@@ -635,5 +634,3 @@ def scored_attention(q, keys, values, n: int, scale: float, scores=None, noise: 
         dispatch.record_reference("scored_attention", q.dtype)
     return scored_attention_reference(q, keys, values, n, scale, scores, noise, evict)
 
-
-assert math.isclose(1.4426950408889634, math.log2(math.e))

@@ -8,7 +8,7 @@ L2 does not hold them), median of `--repeats` evaluations:
                    before the kernels (H2O)
   kernels ...      scored_attention_fused: plain (H2O's update in the launch) or with Keyformer's
                    noise, choosing the slot to evict (evicts), with one load of C consecutive
-                   channels per lane (vec: VEC_LOADS) or fewer slots per warp step (unroll: MAX_UNROLL)
+                   channels per lane (vec: VEC_LOADS) or not, 4 or 8 slots per warp step (unroll: MAX_UNROLL)
 
     python benchmarks/scored_attention_speed.py [--slots 16385] [--rows 8] [--group 4] [--head-dim 128]
 """
@@ -68,7 +68,7 @@ def main():
 
     evict = kernel.EvictAt(noise.positions, 4, allocated - 64)
 
-    def kernels(i, vec=False, noisy=False, evicts=False, unroll=kernel.MAX_UNROLL):
+    def kernels(i, vec=kernel.VEC_LOADS, noisy=False, evicts=False, unroll=kernel.MAX_UNROLL):
         return kernel.scored_attention_fused(queries[i], buffers[i % 8], buffers[(i + 1) % 8], n, scale, scores,
                                              noise if noisy else None, evict if evicts else None, backend,
                                              vec_loads=vec, max_unroll=unroll)
@@ -81,8 +81,11 @@ def main():
         return [out, evict_slot_fused(sums, noise.positions[:, :n], 4, allocated - 64, backend)]
 
     rows.append(("kernels + evict_slot", lambda: [kernels_then_evict_slot(i) for i in range(32)]))
-    variants = [dict(), dict(noisy=True), dict(evicts=True), dict(noisy=True, evicts=True), dict(vec=True),
-                dict(unroll=4), dict(vec=True, unroll=4)]
+    # the defaults, then each knob turned the other way (the loads, the unroll; 8 and per-channel loads
+    # were the first kernels' choice)
+    variants = [dict(), dict(noisy=True), dict(evicts=True), dict(noisy=True, evicts=True),
+                dict(vec=not kernel.VEC_LOADS), dict(unroll=12 - kernel.MAX_UNROLL),
+                dict(vec=not kernel.VEC_LOADS, unroll=12 - kernel.MAX_UNROLL)]
     for options in variants:
         name = "kernels " + " ".join(f"{k}={v}" for k, v in options.items())
         rows.append((name, lambda options=options: [kernels(i, **options) for i in range(32)]))

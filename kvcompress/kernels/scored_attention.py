@@ -37,7 +37,7 @@ reference there (tests/test_kernel_sources.py, as the plain variant does); not y
 cache keeps the MLX noise ops where it does not pass).
 
 Choosing the slot to evict (EVICT): where the step's new scores are final after `finish` (H2O,
-Keyformer scoring with queries), one `finish` block of 1024 threads holds each row and also picks
+Keyformer scoring with queries), one `finish` block of 512 threads holds each row and also picks
 the slot `evict_slot` (kernels/evict.py) would: the lowest unprotected score, ties to the lowest
 position; one launch fewer per layer. Written after the last GPU session, like NOISY: run on the
 CPU through tests/cuda_on_cpu.py (the slot exactly evict_slot's by the kernel's own scores), not
@@ -77,15 +77,18 @@ from .kivi_attention import CUDA_HEADER, METAL_HEADER
 MAX_GROUP = 8
 # `attend` reads a lane's C channels of a key or value row as one load (lane * C ... lane * C + C - 1)
 # instead of C loads of channels lane, lane + 32, ...: a quarter of the load instructions at D 128
-# fp16. Written after the last GPU session, checked on the CPU (tests/test_kernel_sources.py), not
-# yet timed: off until benchmarks/EVICTION_GPU_NOTES.md says it is faster.
-VEC_LOADS = False
+# fp16.
+VEC_LOADS = True
 # Slots a warp takes per step (at most; 32 / G when smaller): their loads are in flight together.
-# Fewer hold fewer registers (132 a thread at 8, 12 warps per SM on the H200): 4 is untimed.
-MAX_UNROLL = 8
+# Fewer hold fewer registers (132 a thread at 8, 12 warps per SM on the H200). With VEC_LOADS, 4
+# took 68-77 us per layer where 8 took 83-85 and the plain loads at 8 84-100 (H200, 8 rows x 4
+# heads, D 128, fp16, 16k slots; benchmarks/scored_attention_speed.py).
+MAX_UNROLL = 4
 THREADS = 128  # 4 warps per `attend` block
 FINISH_THREADS = 256
-EVICT_THREADS = 1024  # `finish` when it also picks the slot to evict: one block of these per row
+# `finish` when it also picks the slot to evict: one block of these per row (1024 failed to launch
+# with the noise at 8 heads on the H200: over 64 registers a thread)
+EVICT_THREADS = 512
 SLOTS_PER_FINISH_BLOCK = 1024
 
 
@@ -351,8 +354,9 @@ _FINISH_BODY = """
         for (; b < nb; ++b) o[0] += EXP2((stats[(part_row + b * G + g) * 4] - final_max[g]) * log2e) * part[(part_row + b * G) * D + i];
         out[row * G * D + i] = (T)((o[0] + o[1] + (o[2] + o[3])) * inv_sum[g]);
     }
-    unsigned int step_hash[G];
-    KV_UNROLL for (int g = 0; g < G; ++g) step_hash[g] = NOISY ? mix32(streams[row * G + g] ^ (unsigned int)slot_dims[0]) : 0u;
+    KV_SHARED unsigned int step_hash[G];  // NOISY: each head's noise stream at this step
+    if (NOISY && tid < G) step_hash[tid] = mix32(streams[row * G + tid] ^ (unsigned int)slot_dims[0]);
+    KV_BARRIER();
     // EVICT: one block holds the row and also picks the slot to evict by the new scores, as
     // kernels/evict.py's evict_slot does (the lowest unprotected score, ties to the lowest position)
     const int first = EVICT ? 0 : blk * SLOTS_PER_BLOCK;

@@ -336,6 +336,9 @@ class EvictionCache(CompressedCache):
         if not masked and gpu:  # a shape the kernels do not cover: the output from SDPA (on the H200
             # the probs @ values matmul below cost ~7x it, benchmarks/EVICTION_GPU_NOTES.md)
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+            # the logits evaluated with the output: the still-lazy scores then hold them, not the
+            # keys buffer they read, which the next token's write can then update in place
+            out = mx.depends(out, logits)
         else:
             values = self.values
             out = (probs.astype(values.dtype).reshape(R, -1, n) @ values).reshape(B, n_q, S, D)

@@ -94,6 +94,18 @@ def test_run_config_records_the_kernel_paths():
     assert record.run["run_id"] == run_id(run_config(context, sample, kivi))
 
 
+def test_a_kept_answer_is_not_decided_again(fake_gpu, monkeypatch):
+    """A decode step asks once per kernel per layer: after the first call, a dict lookup (the key
+    once held `mx.default_device()`, which hashes by identity: every call decided anew, and the
+    answers piled up)."""
+    decide, decided = dispatch._decide, []
+    monkeypatch.setattr(dispatch, "_decide", lambda *args: decided.append(1) or decide(*args))
+    for _ in range(5):
+        assert dispatch.select("k", mx.float16, (2,), lambda b: None) == "cuda"
+        dispatch.record_reference("r", mx.float16)
+    assert len(decided) == 1 and len(dispatch._decisions) == 1 and len(dispatch._reference_keys) == 1
+
+
 def test_answers_are_kept_per_key_yet_recorded_and_the_variable_still_applies_at_once(fake_gpu, monkeypatch):
     calls = []
     assert dispatch.select("k", mx.float16, (2,), calls.append) == "cuda"

@@ -70,7 +70,7 @@ def select(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None]) 
     selftest(backend) runs a small problem through the fused kernel and its reference and raises
     when they differ (or the kernel does not compile)."""
     raw = os.environ.get(ENV)
-    key = (kernel, dtype, variant, raw, mx.default_device())
+    key = (kernel, dtype, variant, raw, str(mx.default_device()))  # a Device hashes by identity
     decision = _decisions.get(key)
     if decision is None:
         decision = _decisions[key] = _decide(kernel, dtype, variant, selftest, _parse_mode(raw))
@@ -111,7 +111,7 @@ def _decide(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None],
 
 def record_reference(kernel: str, dtype) -> None:
     """Record that a call of `kernel` ran the reference because the fused kernel does not cover it."""
-    key = (kernel, dtype, mx.default_device())
+    key = (kernel, dtype, str(mx.default_device()))
     path_key = _reference_keys.get(key)
     if path_key is None:
         path_key = _reference_keys[key] = f"{kernel}/{gpu_backend() or 'cpu'}/{_dtype_name(dtype)}"

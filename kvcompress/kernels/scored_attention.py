@@ -8,9 +8,10 @@ sum): the keys are read twice and ~8 kernels run per layer (benchmarks/EVICTION_
 per layer at 16k slots on the H200 against SDPA's 41). Here:
 
 1. `attend` (flash-decoding, Dao et al. 2023): the slots are cut into `nb` chunks, one thread block
-   per (chunk, row). Each warp takes UN slots at a time (8 for G <= 4) and issues all their key and
-   value loads before using any. Lane l holds channels l, l + 32, ... of the G (pre-scaled)
-   queries, so each load of a key or value row is 32 consecutive elements (coalesced). The UN x G
+   per (chunk, row). Each warp takes UN slots at a time (MAX_UNROLL, 4; fewer when 32 / G is) and
+   issues all their key and value loads before using any. Lane l holds C = D / 32 consecutive
+   channels of the G (pre-scaled) queries and reads them from each key and value row in one load
+   (VEC_LOADS; else channels l, l + 32, ...): a warp's load is one coalesced row. The UN x G
    dot products meet in a reduce-scatter over the lanes (each halving step sends half the partial
    sums to the lane `m` away: 31 shuffles where a butterfly per sum took 160), after which lane l
    holds one whole dot product: it writes that logit, and the lanes of one head agree on its running
@@ -29,19 +30,16 @@ kvcompress/methods/counter_hash.py (a hash of the head's noise stream, the step'
 the key's true position, `GumbelNoise`). `attend` also keeps a running max and sum of those noisy
 logits per head (the lane holding a logit draws its noise: one hash and two logs), `finish` combines
 them and draws each slot's noise again (recomputed, not stored) for its probabilities, and adds
-them to the scores; the MLX noise chain, softmax and sums of a Keyformer step go. The noisy variant
-was written after the last GPU session: the kernels' CUDA source runs on the CPU (tests/
-cuda_on_cpu.py: g++, a thread per GPU thread, shuffles and barriers emulated) and matches the
-reference there (tests/test_kernel_sources.py, as the plain variant does); not yet run on a GPU
-(tests/test_scored_attention.py's GPU cases cover it; the dispatch self-test guards it, and the
-cache keeps the MLX noise ops where it does not pass).
+them to the scores; the MLX noise chain, softmax and sums of a Keyformer step go.
 
 Choosing the slot to evict (EVICT): where the step's new scores are final after `finish` (H2O,
 Keyformer scoring with queries), one `finish` block of 512 threads holds each row and also picks
 the slot `evict_slot` (kernels/evict.py) would: the lowest unprotected score, ties to the lowest
-position; one launch fewer per layer. Written after the last GPU session, like NOISY: run on the
-CPU through tests/cuda_on_cpu.py (the slot exactly evict_slot's by the kernel's own scores), not
-yet on a GPU.
+position; one launch fewer per layer.
+
+Every variant is checked against the reference on the H200 (tests/test_scored_attention.py) and on
+the CPU, where the CUDA source runs through tests/cuda_on_cpu.py (g++, a thread per GPU thread,
+shuffles and barriers emulated; tests/test_kernel_sources.py).
 
 Two launches read the keys once, the values once and the [R, G, n] logits once (2 MiB at 16k
 slots x 8 rows x 4 heads against 32 MiB of fp16 keys). Keys and values are the cache's buffers as
@@ -50,8 +48,8 @@ exp via exp2 of (l - M) * log2(e). Not bit-identical to the MLX reference (other
 within 1e-5 relative L2 for float32 (tests/test_scored_attention.py, on a GPU).
 
 Speed on the H200 (8 rows x 4 heads, D 128, fp16, 16385 slots; benchmarks/EVICTION_GPU_NOTES.md):
-attend + finish 82 us per layer against cuDNN's SDPA alone 38 us, and against 146 us for SDPA plus
-the MLX scoring ops it replaces. Nsight Compute: the attend kernel is latency-bound (12 warps per SM,
+attend + finish 68-84 us per layer against cuDNN's SDPA alone 48-59 us, and against 128-153 us for
+SDPA plus the MLX scoring ops it replaces (with the noise: 75-89; choosing the slot: 78-82). Nsight Compute: the attend kernel is latency-bound (12 warps per SM,
 132 registers a thread; ~57% of issue cycles wait on global loads; DRAM at ~19% of peak). Tried
 and measured slower: software-pipelined loads (the next slots' loads in flight during the current
 ones: 91-104 against 82-92 us), more blocks per row (128 / 192: 92 / 124 us).

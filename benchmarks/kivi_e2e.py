@@ -3,12 +3,17 @@
 A random-weight mlx-lm Llama with the Llama-3.1-8B shape (hidden 4096, 32 heads, 8 KV heads, head_dim
 128, intermediate 14336, vocab 128256; speed does not depend on the weights' values), fp16, batch 1.
 Each cache comes from `kvcompress.make_cache(model, method, ...)`: the classes the sweep uses. The
-prompt is prefilled in 2048-token chunks (mlx-lm's default), then `--steps` greedy decode steps
-after `--warmup` steps, timed two ways: synchronously per step (as the runner times `step_ms`; the
-host time to build a step's graph is reported too) and pipelined as `mlx_lm.generate` runs (the
-next step's graph built while the GPU runs this one). Also: resident KV MiB after prefill
-(`kvcompress.memory.live_kv_bytes`), prefill seconds (each cache first runs a throw-away 2k prefill
-so JIT compilation and kernel self-tests stay out of the timings) and which kernel paths ran.
+prompt is prefilled in 2048-token chunks (mlx-lm's default) into every cache, each decodes
+`--warmup` greedy steps, and then in each of `--rounds` rounds every cache in turn (the order
+rotated per round) decodes `--steps` steps timed two ways: synchronously per step (as the runner
+times `step_ms`; the host time to build a step's graph is reported too) and pipelined as
+`mlx_lm.generate` runs (the next step's graph built while the GPU runs this one). Taking turns
+puts the machine's drift (clocks, host load: single runs moved by up to 1.5x between calls) on
+every cache alike; x full is the ratio to the full cache's time in the same round (median and
+range over the rounds). Also: resident KV MiB after prefill (`kvcompress.memory.live_kv_bytes`),
+prefill seconds (each cache first runs a throw-away 2k prefill so JIT compilation and kernel
+self-tests stay out of the timings), peak memory (the weights plus this cache's prefill) and which
+kernel paths ran.
 
 Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/kivi_e2e.py --contexts 8192 32768`.
 """
@@ -26,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvcompress  # noqa: E402
 import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_map  # noqa: E402
+from mlx.utils import tree_flatten, tree_map  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 
 from kvcompress.kernels import dispatch  # noqa: E402
@@ -50,12 +55,15 @@ CACHES = {
 }
 
 
-def llama8b_shaped(layers: int):
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=4096, num_hidden_layers=layers, intermediate_size=14336,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, vocab_size=128256,
-        rope_theta=500000.0, tie_word_embeddings=False,
-    )
+def llama8b_shaped(layers: int, tiny: bool = False):
+    """Random weights of Llama-3.1-8B's shape, or (tiny) a small Llama for a smoke run on a CPU."""
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128, vocab_size=128256)
+    if tiny:
+        shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                     head_dim=32, vocab_size=4096)
+    args = llama.ModelArgs(model_type="llama", num_hidden_layers=layers, rms_norm_eps=1e-5, rope_theta=500000.0,
+                           tie_word_embeddings=False, **shape)
     mx.random.seed(0)
     model = llama.Model(args)
     # small weights keep activations finite through 32 random layers
@@ -115,7 +123,8 @@ def make_caches(model, method, params, classes=None):
     return caches if classes is None or method == "full" else [rebuilt(c, classes) for c in caches]
 
 
-def measure(model, label, method, params, T, steps, warmup, classes=None):
+def prepare(model, label, method, params, T, warmup, classes=None) -> dict:
+    """One cache prefilled with the T-token prompt and decoded `warmup` steps, kept for the rounds."""
     # a throw-away run of this cache first: kernels compile and self-test outside the timings
     warm = make_caches(model, method, params, classes)
     logits, _ = prefill(model, warm, list(range(2100)))
@@ -123,71 +132,111 @@ def measure(model, label, method, params, T, steps, warmup, classes=None):
     del warm, logits
     gc.collect()
     caches = make_caches(model, method, params, classes)
-    prompt = [int(t) for t in mx.random.randint(0, 128256, (T,), key=mx.random.key(T)).tolist()]
+    vocab = model.args.vocab_size
+    prompt = [int(t) for t in mx.random.randint(0, vocab, (T,), key=mx.random.key(T)).tolist()]
     dispatch.reset_paths()
+    resident = mx.get_active_memory()  # the weights and the caches prepared before this one
     mx.reset_peak_memory()
     logits, prefill_s = prefill(model, caches, prompt)
+    peak = mx.get_peak_memory() - resident + weight_bytes(model)  # as if this cache were alone
     kv_mib = live_kv_bytes(caches) / 2**20
-    ms, build_ms, token = decode_sync(model, caches, mx.argmax(logits[0, -1]), steps, warmup)
-    pipelined_ms = decode_pipelined(model, caches, token, steps)
+    _, _, token = decode_sync(model, caches, mx.argmax(logits[0, -1]), 1, warmup)
     paths = ",".join(f"{k.split('/')[0]}={v}" for k, v in dispatch.paths_used().items()) or "-"
-    peak = mx.get_peak_memory() / 2**30
-    return dict(label=label, T=T, ms=ms, build_ms=build_ms, pipelined_ms=pipelined_ms, tok_s=1e3 / ms,
-                kv_mib=kv_mib, prefill_s=prefill_s, peak_gib=peak, paths=paths)
+    return dict(label=label, T=T, caches=caches, token=token, kv_mib=kv_mib, prefill_s=prefill_s,
+                peak_gib=peak / 2**30, paths=paths, ms=[], build_ms=[], pipelined_ms=[])
+
+
+def weight_bytes(model) -> int:
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+
+
+def decode_round(model, run: dict, steps: int) -> None:
+    """`steps` synchronous steps, then `steps` pipelined ones, appended to the run's lists."""
+    ms, build_ms, run["token"] = decode_sync(model, run["caches"], run["token"], steps, 0)
+    run["ms"].append(ms)
+    run["build_ms"].append(build_ms)
+    run["pipelined_ms"].append(decode_pipelined(model, run["caches"], run["token"], steps))
+
+
+def ratio(full: list[float], other: list[float]) -> tuple[float, float, float]:
+    """full / other per round (the same round's times): (median, min, max)."""
+    per_round = [f / o for f, o in zip(full, other)]
+    return statistics.median(per_round), min(per_round), max(per_round)
+
+
+def spread(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per cache per round (each way)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every cache, taking turns")
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--tiny", action="store_true", help="a small random Llama instead (a smoke run on a CPU)")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), help=f"labels from {list(CACHES)}")
     parser.add_argument("--skip", nargs="*", default=[], help="label@context pairs to skip, e.g. 'h2o budget=0.5@32768'")
     parser.add_argument("--against", metavar="REV", help="also run every compressed cache with its class as git "
                         "revision REV had it (host_graph.py's classes_at), in the same process: before/after ratios")
     args = parser.parse_args()
+    if "full" not in args.caches:
+        parser.error("--caches must include full (every ratio is against it)")
     classes = classes_at(args.against) if args.against else None
-    print("mlx", mx.__version__, mx.default_device(), f"{args.layers} layers, Llama-3.1-8B shape, fp16", flush=True)
-    model = llama8b_shaped(args.layers)
-    print(f"weights {sum(p.nbytes for _, p in __import__('mlx.utils').utils.tree_flatten(model.parameters())) / 2**30:.1f} GiB", flush=True)
+    shape = "a tiny Llama" if args.tiny else "Llama-3.1-8B shape"
+    print("mlx", mx.__version__, mx.default_device(), f"{args.layers} layers, {shape}, fp16", flush=True)
+    model = llama8b_shaped(args.layers, args.tiny)
+    print(f"weights {weight_bytes(model) / 2**30:.1f} GiB", flush=True)
     prefill(model, kvcompress.make_cache(model, "full"), list(range(2100)))  # JIT warm-up, not timed
     rows = []
-    header = ("| cache | context | decode ms/step | host graph ms | pipelined ms/step | tok/s | x full tok/s "
-              "| pipelined x full | KV MiB | prefill s | x full prefill | peak GiB | kernels |")
     for T in args.contexts:
-        full = None
-        runs = [(label, None) for label in args.caches]
+        labels = [(label, None) for label in args.caches]
         if classes:
-            runs += [(label, args.against) for label in args.caches if label != "full"]
-        for label, revision in runs:
+            labels += [(label, args.against) for label in args.caches if label != "full"]
+        runs = []
+        for label, revision in labels:
             if f"{label}@{T}" in args.skip:
                 continue
             method, params = CACHES[label]
             t = time.time()
             try:
-                r = measure(model, label, method, params, T, args.steps, args.warmup, classes if revision else None)
-                if revision:
-                    r["label"] = label = f"{label} @ {revision}"
+                run = prepare(model, label, method, params, T, args.warmup, classes if revision else None)
             except Exception as exc:  # report and go on: one device call should bring back every row it can
                 print(f"FAILED {label} @ {T}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 gc.collect()
                 continue
-            if label == "full":
-                full = r
-            nan = float("nan")
-            r["x_full"] = full["ms"] / r["ms"] if full else nan
-            r["x_full_pipelined"] = full["pipelined_ms"] / r["pipelined_ms"] if full else nan
-            r["x_full_prefill"] = r["prefill_s"] / full["prefill_s"] if full else nan
-            rows.append(r)
-            print(f"{label} @ {T}: {r['ms']:.2f} ms/step (host graph {r['build_ms']:.2f}, pipelined {r['pipelined_ms']:.2f}), "
-                  f"{r['kv_mib']:.0f} MiB, prefill {r['prefill_s']:.2f} s, peak {r['peak_gib']:.1f} GiB, {r['paths']} "
-                  f"[{time.time() - t:.0f} s]", flush=True)
-            gc.collect()
-    print("\n" + header + "\n|" + "---|" * 13)
+            if revision:
+                run["label"] = f"{label} @ {revision}"
+            runs.append(run)
+            print(f"{run['label']} @ {T}: {run['kv_mib']:.0f} MiB, prefill {run['prefill_s']:.2f} s, "
+                  f"peak {run['peak_gib']:.1f} GiB, {run['paths']} [{time.time() - t:.0f} s]", flush=True)
+        full = next((run for run in runs if run["label"] == "full"), None)
+        if full is None:
+            print(f"no full cache at {T}: no ratios", flush=True)
+            continue
+        # every cache takes its turn in every round, the order rotated each round, so drift in the
+        # machine (clocks, host load) falls on all of them alike; ratios are per round
+        for rnd in range(args.rounds):
+            for run in runs[rnd % len(runs):] + runs[: rnd % len(runs)]:
+                decode_round(model, run, args.steps)
+            print(f"round {rnd}: " + ", ".join(f"{r['label']} {r['ms'][-1]:.2f}/{r['pipelined_ms'][-1]:.2f}" for r in runs),
+                  flush=True)
+        for run in runs:
+            run["x_full"] = ratio(full["ms"], run["ms"])
+            run["x_full_pipelined"] = ratio(full["pipelined_ms"], run["pipelined_ms"])
+            run["x_full_prefill"] = run["prefill_s"] / full["prefill_s"]
+            rows.append(run)
+            run.pop("caches")
+        del runs
+        gc.collect()
+    print(f"\nmedian over {args.rounds} rounds of {args.steps} steps each way; x full: per-round ratios, median (min-max)")
+    print("| cache | context | decode ms/step | host graph ms | pipelined ms/step | tok/s | x full tok/s "
+          "| pipelined x full | KV MiB | prefill s | x full prefill | peak GiB | kernels |\n|" + "---|" * 13)
     for r in rows:
-        print(f"| {r['label']} | {r['T']} | {r['ms']:.2f} | {r['build_ms']:.2f} | {r['pipelined_ms']:.2f} | {r['tok_s']:.1f} | "
-              f"{r['x_full']:.2f} | {r['x_full_pipelined']:.2f} | {r['kv_mib']:.0f} | {r['prefill_s']:.2f} | "
+        ms, build, pipelined = (statistics.median(r[k]) for k in ("ms", "build_ms", "pipelined_ms"))
+        print(f"| {r['label']} | {r['T']} | {ms:.2f} | {build:.2f} | {pipelined:.2f} | {1e3 / ms:.1f} | "
+              f"{spread(r['x_full'])} | {spread(r['x_full_pipelined'])} | {r['kv_mib']:.0f} | {r['prefill_s']:.2f} | "
               f"{r['x_full_prefill']:.2f} | {r['peak_gib']:.1f} | {r['paths']} |")
 
 

@@ -34,7 +34,7 @@ for part in $parts; do
     scored)  # the scoring methods' decode kernels, every variant, against SDPA and the MLX ops
       python3 benchmarks/scored_attention_speed.py 2>&1 | tee "$out/scored_attention.log" ;;
     e2e)
-      python3 benchmarks/kivi_e2e.py --contexts 32768 8192 --steps 12 --warmup 2 \
+      python3 benchmarks/kivi_e2e.py --contexts 32768 8192 --steps 8 --rounds 3 --warmup 2 \
         --caches full "kivi bits=2" "kivi bits=4" "streaming budget=0.5" "snapkv budget=0.5" "tova budget=0.5" \
         "h2o budget=0.5" "keyformer budget=0.5" 2>&1 | tee "$out/e2e.log" ;;
     e2e-kivi)  # the KIVI rows with full and streaming beside them (h2o/keyformer take longer)

@@ -8,7 +8,11 @@ the MLX reference on machines without a GPU. What it cannot show: GPU speed, mem
 that the barriers here hide, the GPU's math library (expf/logf here are glibc's).
 
 Only what the kernels in kvcompress/kernels use is shimmed (32-bit shuffles, barriers, a few
-float built-ins; `__half` is not: run the float32 instantiations).
+float built-ins, the tensor-core `wmma` calls; `__half` is not: run the float32 instantiations).
+`wmma` (<mma.h>) here keeps a whole 16 x 16 tile in every thread of the warp (the hardware spreads
+it over the lanes in a layout CUDA leaves unspecified, which code using only these calls cannot
+see): loads read the tile from memory as the layout says, `mma_sync` multiplies in float32, one
+lane stores it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ DECLARATIONS = r"""
 #include <memory>
 #include <thread>
 #include <vector>
+#include <type_traits>
 using std::max;
 using std::min;
 struct dim3_ { unsigned int x, y, z; };
@@ -40,6 +45,7 @@ dim3_ blockDim, gridDim;  // set per launch
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned int i) { float f; std::memcpy(&f, &i, 4); return f; }
@@ -49,6 +55,8 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct __half { unsigned short bits; __half() {} __half(float) {} operator float() const { return 0.0f; } };
 """
@@ -109,6 +117,45 @@ template <typename X> void save(const char* path, const std::vector<X>& v) {
 }
 """
 
+# <mma.h> for the emulated kernels (see the module docstring)
+WMMA = r"""
+#pragma once
+extern thread_local int t_lane;
+namespace nvcuda { namespace wmma {
+struct matrix_a {}; struct matrix_b {}; struct accumulator {};
+struct row_major {}; struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment { static_assert(M == 16 && N == 16 && K == 16, "16x16x16 only"); T x[256]; };
+template <typename Use, typename T, typename Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
+    // element (i, j) of the fragment's matrix (a: rows i x depth j; b: depth i x columns j)
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j)
+            f.x[i * 16 + j] = std::is_same_v<Layout, row_major> ? p[i * ldm + j] : p[i + j * ldm];
+}
+template <typename T>
+void fill_fragment(fragment<accumulator, 16, 16, 16, T>& f, T v) { for (auto& e : f.x) e = v; }
+template <typename T, typename LA, typename LB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+    float out[256];
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j) {
+            float acc = c.x[i * 16 + j];
+            for (int k = 0; k < 16; ++k) acc += (float)a.x[i * 16 + k] * (float)b.x[k * 16 + j];
+            out[i * 16 + j] = acc;
+        }
+    for (int e = 0; e < 256; ++e) d.x[e] = out[e];
+}
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t layout) {
+    if (t_lane != 0) return;  // one lane writes the warp's tile
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j) p[layout == mem_row_major ? i * ldm + j : i + j * ldm] = f.x[i * 16 + j];
+}
+} }
+"""
+
 C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t",
            np.dtype(np.int64): "int64_t"}
 
@@ -150,8 +197,9 @@ def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inpu
     if binary is None:  # the same program (kernel, template, sizes) again: reuse its build
         source = workdir / "run.cpp"
         source.write_text(program)
+        (workdir / "mma.h").write_text(WMMA)
         binary = workdir / "run"
-        build = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(binary)],
+        build = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-w", "-I", str(workdir), str(source), "-o", str(binary)],
                                capture_output=True, text=True)
         if build.returncode:
             raise RuntimeError(build.stderr[-3000:])

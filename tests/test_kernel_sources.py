@@ -12,6 +12,7 @@ import pytest
 
 import cuda_on_cpu
 from kvcompress.kernels import evict, kivi_attention, kivi_quant
+from kvcompress.kernels import prompt_scores as prompt_kernels
 from kvcompress.kernels import scored_attention as kernel
 from kvcompress.kernels.kivi_attention import CUDA_HEADER
 
@@ -23,7 +24,7 @@ def emulated_cuda(monkeypatch, tmp_path):
     """mx.fast.cuda_kernel runs kernels on the CPU; the kernel modules build theirs anew."""
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_on_cpu.emulated(tmp_path))
     for module, cache in ((evict, "_kernels"), (evict, "_slot_kernels"), (kivi_attention, "_kernels"),
-                          (kivi_quant, "_kernels"), (kernel, "_kernels")):
+                          (kivi_quant, "_kernels"), (kernel, "_kernels"), (prompt_kernels, "_kernels")):
         monkeypatch.setattr(module, cache, {})
 
 
@@ -164,6 +165,29 @@ def test_evict_slot_is_bit_exact(emulated_cuda):
     assert_equal([got], [evict.evict_slot_reference(evict_by, positions, n_sink, recent_start)], "slot")
 
 
+# -- prompt_scores (tensor cores: the emulator's wmma keeps a whole tile per thread) ------------------
+
+@pytest.mark.parametrize("R, G, L, n, D", [
+    (2, 3, 40, 70, 32),  # one ragged tile of rows, two of keys
+    (1, 4, 100, 100, 64),  # a whole prompt: 400 rows, every tile
+    (1, 2, 200, 250, 16),  # a later chunk: the last key tiles skip the row tiles before their queries
+    (2, 1, 5, 130, 16),  # five queries late in a long prompt
+])
+def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D):
+    q, k = prompt_kernels.random_case(R, G, L, n, D, mx.float32, seed=n)
+    got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5)
+    assert_close(got, prompt_kernels.accumulated_attention_reference(q, k, D**-0.5), "scores", atol=1e-5)
+    np.testing.assert_allclose(np.array(got.sum(axis=1)), G * L, rtol=1e-5)  # each query's probabilities sum to 1
+
+
+def test_the_prompt_scores_check_catches_a_wrong_kernel(emulated_cuda, monkeypatch):
+    """The diagonal left out of each row's softmax (a key its own query does not see) fails."""
+    monkeypatch.setattr(prompt_kernels, "_ROW_LSE_BODY",
+                        prompt_kernels._ROW_LSE_BODY.replace("k0 + c > position", "k0 + c >= position"))
+    with pytest.raises(AssertionError, match="scores"):
+        test_prompt_scores_run_as_the_reference(None, 2, 3, 40, 70, 32)
+
+
 # -- the dispatch's self-tests, and a cache taking the kernels ------------------------------------------
 
 def test_every_self_test_passes_its_kernel(emulated_cuda):
@@ -175,6 +199,7 @@ def test_every_self_test_passes_its_kernel(emulated_cuda):
     kivi_quant._selftest("cuda", mx.float32, 2, 32, True)
     kivi_attention._selftest("cuda", mx.float32, (4, 2, 32, 64, 4, 1, False))
     kernel._selftest("cuda", mx.float32, (4, 64, True, True, True))  # every option (the others: fewer branches)
+    prompt_kernels._selftest("cuda", mx.float32, 32)
 
 
 def test_a_self_test_rejects_a_wrong_kernel(emulated_cuda, monkeypatch):

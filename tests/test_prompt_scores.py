@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.kernels import dispatch
+from kvcompress.kernels import prompt_scores as prompt_kernels
 from kvcompress.methods import prompt_scores
 from kvcompress.methods.counter_hash import gumbel_noise
 from kvcompress.methods.prompt_scores import accumulated_attention, accumulated_attention_reference
@@ -139,3 +140,37 @@ def test_gpu_default_path_equals_plain_and_reference(monkeypatch, dtype, tile):
         # neighbouring half-precision value, so only close
         want = np.array(accumulated_attention_reference(q, k, 128**-0.5, f))
         np.testing.assert_allclose(fused, want, rtol=2e-2, atol=2e-2)
+
+
+# -- H2O's prompt scores on tensor cores (kvcompress/kernels/prompt_scores.py; CUDA only) -------------
+
+needs_cuda = pytest.mark.skipif(dispatch.gpu_backend() != "cuda", reason="needs a CUDA GPU (tensor-core kernels)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("R, G, L, n, D", [(8, 4, 1500, 1500, 128), (8, 4, 700, 3000, 128), (3, 3, 77, 200, 64),
+                                           (2, 5, 300, 301, 16)])
+def test_gpu_prompt_kernels_equal_the_mlx_tiles(dtype, R, G, L, n, D):
+    """The kernels against the MLX tiles (`tile` keeps a call on them) for a whole prompt and for a
+    later prefill chunk (L < n): both round the logits to the dtype, in other summation orders."""
+    q, k = _inputs(R, G, L, n, D, 11)
+    q, k = q.astype(dtype), k.astype(dtype)
+    got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5)
+    tiles = accumulated_attention(q, k, D**-0.5, None, tile=(64, n))
+    assert got.dtype == mx.float32 and got.shape == (R, n)
+    np.testing.assert_allclose(np.array(got.sum(axis=1)), G * L, rtol=1e-4)  # every query's probabilities
+    dispatch.assert_close(got, tiles, 2e-3 if dtype == mx.float16 else 1e-2, "scores")
+
+
+@needs_cuda
+def test_h2o_prompt_takes_the_kernels_on_cuda():
+    q, k = _inputs(2, 4, 200, 200, 64, 12)
+    q, k = q.astype(mx.float16), k.astype(mx.float16)
+    dispatch.reset_paths()
+    with_kernels = accumulated_attention(q, k, 0.125)
+    assert dispatch.paths_used() == {"prompt_scores/cuda/float16": "fused"}
+    dispatch.assert_close(with_kernels, accumulated_attention(q, k, 0.125, None, tile=(32, 200)), 2e-3, "scores")
+    dispatch.reset_paths()
+    accumulated_attention(q, k, 0.125, _keyformer_like)  # a transform: the MLX tiles
+    assert "prompt_scores/cuda/float16" not in dispatch.paths_used()

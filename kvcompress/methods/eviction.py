@@ -479,7 +479,8 @@ class EvictionCache(CompressedCache):
                 return scorer.transform(self, logits, query_positions, key_positions[None])
 
             sq = scorer.score_queries(self, q, new_keys)
-            self._scores = self.scores + accumulated_attention(sq, self.keys, scale, transform)
+            plain = self._plain_scores()  # H2O: the attention itself (the GPU's prompt-scoring kernels)
+            self._scores = self.scores + accumulated_attention(sq, self.keys, scale, None if plain else transform)
         elif scorer.window():
             w = scorer.window()
             q = q[:, :, -w:]

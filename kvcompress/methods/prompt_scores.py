@@ -25,6 +25,8 @@ while the device runs the previous one (no host-device sync per tile), and scrat
 Scratch: a few tile-sized float32 temporaries of at most two tiles (measured on the CPU: ~2.5 tiles
 at the peak), plus the [R, n] scores.
 `accumulated_attention_reference` is the plain quadratic version the tests compare against.
+On a CUDA GPU, H2O's sum (no transform) takes kvcompress/kernels/prompt_scores.py instead: the same
+two passes with every tile kept on the chip.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
+
+from ..kernels import dispatch
+from ..kernels import prompt_scores as prompt_kernels
 
 # Float32 logits per tile. CPU: 64 MiB, large enough that Python's per-op cost stays small against
 # the math. GPU: 256 MiB (scratch ~2.5 tiles at the peak: ~0.6 GiB): at 32k a layer's prompt is
@@ -85,11 +90,17 @@ def accumulated_attention(
     keys [R, n, D] are at positions 0..n-1. `tile` = (query rows, keys) per tile, or None to size
     tiles to the element budget (TILE_ELEMENTS; GPU_TILE_ELEMENTS on a GPU); a query tile whose
     queries see at most that many keys takes one pass. `fused` (default: on a GPU) compiles the
-    per-element chain (cast, transform, mask; exp in the second pass) into one kernel.
+    per-element chain (cast, transform, mask; exp in the second pass) into one kernel. On a GPU
+    without a transform or `tile`, kernels/prompt_scores.py's kernels where they run.
     """
     R, G, L, D = queries.shape
     n = keys.shape[1]
     gpu = mx.default_device().type == mx.DeviceType.gpu
+    if gpu and transform is None and tile is None:  # H2O's sum on tensor cores, where they run
+        if prompt_kernels.fuses(queries, keys):
+            return prompt_kernels.accumulated_attention_fused(queries, keys, scale)
+        if not prompt_kernels.shape_supported(D, keys.dtype):
+            dispatch.record_reference("prompt_scores", keys.dtype)
     fused = gpu if fused is None else fused
     q_tile, k_tile = tile or tile_shape(R * G, L, n, GPU_TILE_ELEMENTS if gpu else TILE_ELEMENTS)
     step = WIDTH_STEP if fused else 1

@@ -1,0 +1,229 @@
+"""H2O's prompt scores on tensor cores: every key's causal attention summed over a prompt's queries.
+
+s_j = sum over the query rows m (the G heads of a KV row times the L prompt queries) of
+softmax(x_m)_j, x_mj = q_m . k_j (queries pre-scaled) for the keys j the query at position p(m) sees
+(j <= p(m)). kvcompress/methods/prompt_scores.py computes it in MLX tiles: a matmul writes each tile
+of logits, then a compiled chain, a softmax and a column sum each read and write it again; at 32k
+(8 KV heads x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200
+(benchmarks/EVICTION_GPU_NOTES.md), the tiles' memory traffic, not their arithmetic, bounding it.
+Here two kernels keep every logit on the chip (FlashAttention's two-pass form, Dao et al. 2022):
+
+1. `row_lse`: one block per 64 query rows; over tiles of 64 keys, the logits q . k from tensor-core
+   products (wmma 16x16x16, float accumulation) go through shared memory to the threads, which keep
+   each row's running max and sum: the row's log-sum-exp lse_m.
+2. `column_sums`: one block per 64 keys; over tiles of 64 query rows that see any of them, the
+   same products, then exp(x_mj - lse_m) summed down each key's column.
+
+Each pass is one product per (query row, key) pair on tensor cores and no tile leaves the chip; a
+prefill attention computes the same products once more for its output. The rows are query-major
+(row m = query i, head g: m = i * G + g), so a 64-row tile holds 64 / G consecutive queries and the
+causal limit of a tile is tight. The logits are rounded to the model's dtype before the softmax,
+as the MLX path's product in that dtype rounds them.
+
+CUDA only (fp16 / bf16: what tensor cores take), head dims 16..128 in steps of 16; Metal and the
+rest run the MLX path. Written after this session's device time ran out: run on the CPU through
+tests/cuda_on_cpu.py (whose wmma stand-in keeps a whole tile per thread, float32 instantiations),
+not yet on a GPU. Its dispatch self-test guards it (a compile error or a wrong number there: the
+MLX path runs).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import dispatch
+
+ROWS = 64  # query rows per tile
+KEYS = 64  # keys per tile
+THREADS = 128  # 4 warps, 16 rows of a tile each
+
+
+def accumulated_attention_reference(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
+    """The sum in plain MLX ops (quadratic memory: tests and the self-test), [R, n] float32.
+
+    queries [R, G, L, D] at the last L of the n key positions, keys [R, n, D]."""
+    R, G, L, D = queries.shape
+    n = keys.shape[1]
+    q = (queries * scale).astype(keys.dtype).reshape(R, G * L, D)
+    logits = (q @ keys.swapaxes(1, 2)).astype(mx.float32).reshape(R, G, L, n)
+    visible = mx.arange(n)[None, :] <= mx.arange(n - L, n)[:, None]  # [L, n]
+    logits = mx.where(visible, logits, -mx.inf)
+    return mx.softmax(logits, axis=-1, precise=True).sum(axis=(1, 2))
+
+
+# One header and two bodies. `q` [R, M_pad, D] pre-scaled, query-major rows, zero rows past M;
+# `keys` [R, n, D]; dims: M (rows), n, first (the first query's position), G, M_pad.
+_HEADER = """
+#include <mma.h>
+#define NEG_INF (-__int_as_float(0x7f800000))
+using namespace nvcuda;
+// a tile of logits: the warp's 16 rows x 64 keys, from its query fragments (registers) and the
+// keys in shared memory ([64][D], row-major: the col-major B of q . k^T), into shared `s`
+template <typename T, int D>
+__device__ inline void warp_logits(wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>* a,
+                                   const T* keys_tile, float* s, int warp) {
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
+    _Pragma("unroll") for (int col = 0; col < 4; ++col) {
+        wmma::fill_fragment(c, 0.0f);
+        _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
+            wmma::load_matrix_sync(b, keys_tile + col * 16 * D + k * 16, D);
+            wmma::mma_sync(c, a[k], b, c);
+        }
+        wmma::store_matrix_sync(s + warp * 16 * 64 + col * 16, c, 64, wmma::mem_row_major);
+    }
+}
+// the keys k0 .. k0 + 63 of row r into shared memory, zeros past n
+template <typename T, int D>
+__device__ inline void load_keys(const T* keys, T* tile, long r, int k0, int n, int tid) {
+    for (int e = tid; e < 64 * D; e += 128) {
+        const int j = k0 + e / D;
+        tile[e] = j < n ? keys[(r * n + j) * D + e % D] : (T)0.0f;
+    }
+}
+"""
+
+_QUERY_FRAGMENTS = """
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const long r = blockIdx.y;
+    const int M = dims[0];
+    const int n = dims[1];
+    const int first = dims[2];
+    const int G = dims[3];
+    const int M_pad = dims[4];
+    // wmma wants 32-byte aligned tiles; raw bytes: a __shared__ array of a class type (__half) may
+    // not be declared
+    __shared__ __align__(32) unsigned char keys_bytes[64 * D * sizeof(T)];
+    T* keys_tile = reinterpret_cast<T*>(keys_bytes);
+    __shared__ __align__(32) float s[64 * 64];
+"""
+
+_ROW_LSE_BODY = _QUERY_FRAGMENTS + """
+    const int m0 = blockIdx.x * 64;
+    // this warp's 16 query rows as tensor-core fragments, kept in registers for every key tile
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[D / 16];
+    _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
+        wmma::load_matrix_sync(a[k], q + (r * M_pad + m0 + warp * 16) * D + k * 16, D);
+    }
+    // thread t: row t / 2 of the tile, keys (t % 2) * 32 .. + 31 of each key tile
+    const int row = tid / 2;
+    const int m = m0 + row;
+    const int position = first + min(m, M - 1) / G;
+    const int last = first + (min(m0 + 63, M - 1)) / G;  // the tile's last query sees keys 0..last
+    float run_max = NEG_INF, run_sum = 0.0f;
+    for (int k0 = 0; k0 <= last; k0 += 64) {
+        load_keys<T, D>(keys, keys_tile, r, k0, n, tid);
+        __syncthreads();
+        warp_logits<T, D>(a, keys_tile, s, warp);
+        __syncthreads();
+        for (int c = (tid % 2) * 32; c < (tid % 2) * 32 + 32; ++c) {
+            if (k0 + c > position) break;
+            const float x = (float)(T)s[row * 64 + c];  // rounded as the MLX product in T
+            if (x > run_max) {
+                run_sum = run_sum * __expf(run_max - x) + 1.0f;
+                run_max = x;
+            } else {
+                run_sum += __expf(x - run_max);
+            }
+        }
+        __syncthreads();  // the next tile overwrites keys_tile and s
+    }
+    // the row's two threads (lanes 2i, 2i + 1) combine
+    const float other_max = __shfl_xor_sync(0xffffffffu, run_max, 1);
+    const float other_sum = __shfl_xor_sync(0xffffffffu, run_sum, 1);
+    const float top = fmaxf(run_max, other_max);
+    const float total = (run_max == NEG_INF ? 0.0f : run_sum * __expf(run_max - top))
+                      + (other_max == NEG_INF ? 0.0f : other_sum * __expf(other_max - top));
+    if (tid % 2 == 0 && m < M) lse[r * M + m] = top + __logf(total);
+"""
+
+_COLUMN_SUMS_BODY = _QUERY_FRAGMENTS + """
+    const int k0 = blockIdx.x * 64;
+    load_keys<T, D>(keys, keys_tile, r, k0, n, tid);
+    // thread t: key t / 2 of the block, rows (t % 2) * 32 .. + 31 of each row tile
+    const int col = tid / 2;
+    const int key = k0 + col;
+    float total = 0.0f;
+    // the first row tile with a query that sees key k0 (query positions first + m / G)
+    const int m_start = max(0, k0 - first) * G / 64 * 64;
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[D / 16];
+    for (int m0 = m_start; m0 < M; m0 += 64) {
+        _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
+            wmma::load_matrix_sync(a[k], q + (r * M_pad + m0 + warp * 16) * D + k * 16, D);
+        }
+        __syncthreads();  // keys_tile loaded (first tile); s read by every thread (later tiles)
+        warp_logits<T, D>(a, keys_tile, s, warp);
+        __syncthreads();
+        for (int i = (tid % 2) * 32; i < (tid % 2) * 32 + 32; ++i) {
+            const int m = m0 + i;
+            if (m >= M) break;
+            if (key <= first + m / G) total += __expf((float)(T)s[i * 64 + col] - lse[r * M + m]);
+        }
+    }
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    if (tid % 2 == 0 && key < n) sums[r * n + key] = total;
+"""
+
+_kernels: dict[str, object] = {}
+
+
+def _kernel(which: str):
+    if which not in _kernels:
+        body = _ROW_LSE_BODY if which == "row_lse" else _COLUMN_SUMS_BODY
+        inputs = ["q", "keys", "dims"] + (["lse"] if which == "column_sums" else [])
+        outputs = ["lse"] if which == "row_lse" else ["sums"]
+        _kernels[which] = mx.fast.cuda_kernel(name=f"prompt_{which}", input_names=inputs, output_names=outputs,
+                                              source=body, header=_HEADER)
+    return _kernels[which]
+
+
+def shape_supported(head_dim: int, dtype) -> bool:
+    return head_dim % 16 == 0 and 16 <= head_dim <= 128 and dtype in (mx.float16, mx.bfloat16)
+
+
+def accumulated_attention_fused(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
+    """The two kernels; the same contract as `accumulated_attention_reference`."""
+    R, G, L, D = queries.shape
+    n = keys.shape[1]
+    M = G * L
+    M_pad = -(-M // ROWS) * ROWS
+    # query-major rows (m = i * G + g), pre-scaled in the keys' dtype, zero rows up to a whole tile
+    q = (queries * scale).astype(keys.dtype).transpose(0, 2, 1, 3).reshape(R, M, D)
+    if M_pad > M:
+        q = mx.concatenate([q, mx.zeros((R, M_pad - M, D), q.dtype)], axis=1)
+    dims = dispatch.constant((M, n, n - L, G, M_pad), mx.int32)
+    template = [("T", keys.dtype), ("D", D)]
+    (lse,) = _kernel("row_lse")(inputs=[q, keys, dims], template=template, grid=(M_pad // ROWS * THREADS, R, 1),
+                                threadgroup=(THREADS, 1, 1), output_shapes=[(R, M)], output_dtypes=[mx.float32])
+    (sums,) = _kernel("column_sums")(inputs=[q, keys, dims, lse], template=template,
+                                     grid=(-(-n // KEYS) * THREADS, R, 1), threadgroup=(THREADS, 1, 1),
+                                     output_shapes=[(R, n)], output_dtypes=[mx.float32])
+    return sums
+
+
+_SELFTEST_TOLERANCE = {mx.float16: 2e-3, mx.bfloat16: 1e-2, mx.float32: 1e-5}  # float32: the CPU emulator
+
+
+def random_case(R: int, G: int, L: int, n: int, D: int, dtype, seed: int = 0):
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    return mx.random.normal((R, G, L, D), key=k1).astype(dtype), (2 * mx.random.normal((R, n, D), key=k2)).astype(dtype)
+
+
+def _selftest(backend: str, dtype, D: int) -> None:
+    if backend != "cuda":
+        raise NotImplementedError("prompt_scores kernels: CUDA only")
+    queries, keys = random_case(2, 3, 150, 200, D, dtype, seed=1)
+    got = accumulated_attention_fused(queries, keys, D**-0.5)
+    with mx.stream(mx.cpu):  # the same roundings (queries and logits in the dtype), float32 sums
+        want = accumulated_attention_reference(queries, keys, D**-0.5)
+        mx.eval(want)
+    dispatch.assert_close(got, want, _SELFTEST_TOLERANCE[dtype], "prompt_scores self-test")
+
+
+def fuses(queries: mx.array, keys: mx.array) -> bool:
+    """Whether the kernels run for these inputs here (self-test on first use)."""
+    D = queries.shape[-1]
+    if not (shape_supported(D, keys.dtype) and queries.dtype == keys.dtype and keys.shape[-1] == D):
+        return False
+    return dispatch.select("prompt_scores", keys.dtype, (D,), lambda b: _selftest(b, keys.dtype, D)) is not None

@@ -167,25 +167,32 @@ def test_evict_slot_is_bit_exact(emulated_cuda):
 
 # -- prompt_scores (tensor cores: the emulator's wmma keeps a whole tile per thread) ------------------
 
-@pytest.mark.parametrize("R, G, L, n, D", [
-    (2, 3, 40, 70, 32),  # one ragged tile of rows, two of keys
-    (1, 4, 100, 100, 64),  # a whole prompt: 400 rows, every tile
-    (1, 2, 200, 250, 16),  # a later chunk: the last key tiles skip the row tiles before their queries
-    (2, 1, 5, 130, 16),  # five queries late in a long prompt
+@pytest.mark.parametrize("R, G, L, n, D, noise", [
+    (2, 3, 40, 70, 32, None),  # one ragged tile of rows, two of keys
+    (1, 4, 100, 100, 64, None),  # a whole prompt: 400 rows, every tile
+    (1, 2, 200, 250, 16, None),  # a later chunk: the last key tiles skip the row tiles before their queries
+    (2, 1, 5, 130, 16, None),  # five queries late in a long prompt
+    (2, 3, 40, 70, 32, "redraw"),  # Keyformer: its noise drawn per query
+    (1, 2, 200, 250, 16, "frozen"),  # its frozen noise, a later chunk
 ])
-def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D):
+def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D, noise):
     q, k = prompt_kernels.random_case(R, G, L, n, D, mx.float32, seed=n)
-    got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5)
-    assert_close(got, prompt_kernels.accumulated_attention_reference(q, k, D**-0.5), "scores", atol=1e-5)
+    gumbel = None if noise is None else prompt_kernels.random_noise(R, G, L, noise == "redraw", seed=L)
+    got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5, gumbel)
+    assert_close(got, prompt_kernels.accumulated_attention_reference(q, k, D**-0.5, gumbel), "scores", atol=1e-5)
     np.testing.assert_allclose(np.array(got.sum(axis=1)), G * L, rtol=1e-5)  # each query's probabilities sum to 1
 
 
-def test_the_prompt_scores_check_catches_a_wrong_kernel(emulated_cuda, monkeypatch):
-    """The diagonal left out of each row's softmax (a key its own query does not see) fails."""
-    monkeypatch.setattr(prompt_kernels, "_ROW_LSE_BODY",
-                        prompt_kernels._ROW_LSE_BODY.replace("k0 + c > position", "k0 + c >= position"))
+@pytest.mark.parametrize("body, wrong", [
+    ("_ROW_LSE_BODY", ("k0 + c > position", "k0 + c >= position")),  # the diagonal left out of a row's softmax
+    ("_COLUMN_SUMS_BODY", ("x = (x + gumbel(row_hash[i], (unsigned int)key)) / row_tau[i]",  # no noise in pass 2
+                           "x = x / row_tau[i]")),
+])
+def test_the_prompt_scores_check_catches_a_wrong_kernel(emulated_cuda, monkeypatch, body, wrong):
+    assert wrong[0] in getattr(prompt_kernels, body)
+    monkeypatch.setattr(prompt_kernels, body, getattr(prompt_kernels, body).replace(*wrong))
     with pytest.raises(AssertionError, match="scores"):
-        test_prompt_scores_run_as_the_reference(None, 2, 3, 40, 70, 32)
+        test_prompt_scores_run_as_the_reference(None, 2, 3, 40, 70, 32, "redraw")
 
 
 # -- the dispatch's self-tests, and a cache taking the kernels ------------------------------------------
@@ -199,7 +206,7 @@ def test_every_self_test_passes_its_kernel(emulated_cuda):
     kivi_quant._selftest("cuda", mx.float32, 2, 32, True)
     kivi_attention._selftest("cuda", mx.float32, (4, 2, 32, 64, 4, 1, False))
     kernel._selftest("cuda", mx.float32, (4, 64, True, True, True))  # every option (the others: fewer branches)
-    prompt_kernels._selftest("cuda", mx.float32, 32)
+    prompt_kernels._selftest("cuda", mx.float32, (32, True))
 
 
 def test_a_self_test_rejects_a_wrong_kernel(emulated_cuda, monkeypatch):

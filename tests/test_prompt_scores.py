@@ -147,17 +147,31 @@ def test_gpu_default_path_equals_plain_and_reference(monkeypatch, dtype, tile):
 needs_cuda = pytest.mark.skipif(dispatch.gpu_backend() != "cuda", reason="needs a CUDA GPU (tensor-core kernels)")
 
 
+def _as_transform(noise):
+    """The MLX tiles' transform that is `noise` (as Keyformer.transform)."""
+    from kvcompress.methods.counter_hash import gumbel_noise_from_streams
+
+    def transform(logits, query_positions, key_positions):
+        zeta = gumbel_noise_from_streams(noise.streams, query_positions if noise.redraw else None, key_positions[None])
+        return (logits + zeta) / noise.tau[:, None]
+
+    return transform
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("noise", [None, "redraw", "frozen"])
 @pytest.mark.parametrize("R, G, L, n, D", [(8, 4, 1500, 1500, 128), (8, 4, 700, 3000, 128), (3, 3, 77, 200, 64),
                                            (2, 5, 300, 301, 16)])
-def test_gpu_prompt_kernels_equal_the_mlx_tiles(dtype, R, G, L, n, D):
+def test_gpu_prompt_kernels_equal_the_mlx_tiles(dtype, noise, R, G, L, n, D):
     """The kernels against the MLX tiles (`tile` keeps a call on them) for a whole prompt and for a
-    later prefill chunk (L < n): both round the logits to the dtype, in other summation orders."""
+    later prefill chunk (L < n), plain (H2O) and with Keyformer's noise: both round the logits to
+    the dtype, in other summation orders."""
     q, k = _inputs(R, G, L, n, D, 11)
     q, k = q.astype(dtype), k.astype(dtype)
-    got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5)
-    tiles = accumulated_attention(q, k, D**-0.5, None, tile=(64, n))
+    gumbel = None if noise is None else prompt_kernels.random_noise(R, G, L, noise == "redraw", seed=L)
+    got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5, gumbel)
+    tiles = accumulated_attention(q, k, D**-0.5, None if gumbel is None else _as_transform(gumbel), tile=(64, n))
     assert got.dtype == mx.float32 and got.shape == (R, n)
     np.testing.assert_allclose(np.array(got.sum(axis=1)), G * L, rtol=1e-4)  # every query's probabilities
     dispatch.assert_close(got, tiles, 2e-3 if dtype == mx.float16 else 1e-2, "scores")
@@ -174,3 +188,26 @@ def test_h2o_prompt_takes_the_kernels_on_cuda():
     dispatch.reset_paths()
     accumulated_attention(q, k, 0.125, _keyformer_like)  # a transform: the MLX tiles
     assert "prompt_scores/cuda/float16" not in dispatch.paths_used()
+
+
+@pytest.mark.parametrize("params", [{}, {"noise": "frozen"}, {"tau_init": 0.7, "tau_end": 2.0}])
+def test_keyformer_hands_the_kernels_its_own_transform(params):
+    """What Keyformer gives the prompt kernels (noise streams, redraw, each query's tau) is its
+    `transform`: the kernels' reference with it equals the MLX tiles' reference with the transform,
+    here for a later chunk of a prompt (queries 60..99 of 100) in layer 2."""
+    from kvcompress.methods import method_config
+    from kvcompress.methods.eviction import EvictionCache
+
+    cfg = method_config("keyformer", budget=64, **params)
+    cache = EvictionCache(cfg, 2, 4, 2, 32, None, 32**-0.5)
+    cache.position = 100  # the prompt so far; prompt_len unset: still prefilling
+    q, k = _inputs(2, 3, 40, 100, 32, 13)
+    noise = cfg.prompt_kernel_noise(cache, 2, 3, 40)
+
+    def transform(logits, query_positions, key_positions):
+        return cfg.transform(cache, logits, query_positions, key_positions[None])
+
+    want = accumulated_attention_reference(q, k, 32**-0.5, transform)
+    np.testing.assert_allclose(np.array(prompt_kernels.accumulated_attention_reference(q, k, 32**-0.5, noise)),
+                               np.array(want), rtol=1e-5, atol=1e-6)
+    assert method_config("keyformer", budget=64, score="proxy").prompt_kernel_noise(cache, 2, 3, 40) is None

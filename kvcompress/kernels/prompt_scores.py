@@ -29,16 +29,30 @@ MLX path runs).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 
+from ..methods.counter_hash import gumbel_noise_from_streams, noise_streams
 from . import dispatch
+from .scored_attention import _EXTRA_HEADER
 
 ROWS = 64  # query rows per tile
 KEYS = 64  # keys per tile
 THREADS = 128  # 4 warps, 16 rows of a tile each
 
 
-def accumulated_attention_reference(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
+class PromptNoise(NamedTuple):
+    """Keyformer's transform for the kernels: the softmax is of (logit + zeta) / tau, zeta the Gumbel
+    noise of kvcompress/methods/counter_hash.py for (query head, query position, key position)."""
+
+    streams: mx.array  # [R, G] uint32 noise streams of the query heads (counter_hash.noise_streams)
+    redraw: bool  # a draw per query position (else the frozen noise: one per key)
+    tau: mx.array  # [L] float32, each query's temperature
+
+
+def accumulated_attention_reference(queries: mx.array, keys: mx.array, scale: float,
+                                    noise: PromptNoise | None = None) -> mx.array:
     """The sum in plain MLX ops (quadratic memory: tests and the self-test), [R, n] float32.
 
     queries [R, G, L, D] at the last L of the n key positions, keys [R, n, D]."""
@@ -46,17 +60,24 @@ def accumulated_attention_reference(queries: mx.array, keys: mx.array, scale: fl
     n = keys.shape[1]
     q = (queries * scale).astype(keys.dtype).reshape(R, G * L, D)
     logits = (q @ keys.swapaxes(1, 2)).astype(mx.float32).reshape(R, G, L, n)
-    visible = mx.arange(n)[None, :] <= mx.arange(n - L, n)[:, None]  # [L, n]
+    query_positions = mx.arange(n - L, n, dtype=mx.int32)
+    if noise is not None:  # as Keyformer.transform
+        zeta = gumbel_noise_from_streams(noise.streams, query_positions if noise.redraw else None,
+                                         mx.arange(n, dtype=mx.int32)[None])
+        logits = (logits + zeta) / noise.tau[:, None]
+    visible = mx.arange(n)[None, :] <= query_positions[:, None]  # [L, n]
     logits = mx.where(visible, logits, -mx.inf)
     return mx.softmax(logits, axis=-1, precise=True).sum(axis=(1, 2))
 
 
 # One header and two bodies. `q` [R, M_pad, D] pre-scaled, query-major rows, zero rows past M;
-# `keys` [R, n, D]; dims: M (rows), n, first (the first query's position), G, M_pad.
+# `keys` [R, n, D]; dims: M (rows), n, first (the first query's position), G, M_pad, redraw (NOISY:
+# a draw per query); NOISY: `streams` [R, G] uint32, `taus` [L].
 _HEADER = """
 #include <mma.h>
 #define NEG_INF (-__int_as_float(0x7f800000))
 using namespace nvcuda;
+""" + _EXTRA_HEADER["cuda"] + """
 // a tile of logits: the warp's 16 rows x 64 keys, from its query fragments (registers) and the
 // keys in shared memory ([64][D], row-major: the col-major B of q . k^T), into shared `s`
 template <typename T, int D>
@@ -92,6 +113,7 @@ _QUERY_FRAGMENTS = """
     const int first = dims[2];
     const int G = dims[3];
     const int M_pad = dims[4];
+    const unsigned int redraw = (unsigned int)dims[5];
     // wmma wants 32-byte aligned tiles; raw bytes: a __shared__ array of a class type (__half) may
     // not be declared
     __shared__ __align__(32) unsigned char keys_bytes[64 * D * sizeof(T)];
@@ -111,6 +133,9 @@ _ROW_LSE_BODY = _QUERY_FRAGMENTS + """
     const int m = m0 + row;
     const int position = first + min(m, M - 1) / G;
     const int last = first + (min(m0 + 63, M - 1)) / G;  // the tile's last query sees keys 0..last
+    // NOISY: this row's (head's, query's) noise stream and temperature
+    const unsigned int row_hash = NOISY ? mix32(streams[r * G + min(m, M - 1) % G] ^ (redraw * (position + 1))) : 0u;
+    const float tau = NOISY ? taus[position - first] : 1.0f;
     float run_max = NEG_INF, run_sum = 0.0f;
     for (int k0 = 0; k0 <= last; k0 += 64) {
         load_keys<T, D>(keys, keys_tile, r, k0, n, tid);
@@ -119,7 +144,8 @@ _ROW_LSE_BODY = _QUERY_FRAGMENTS + """
         __syncthreads();
         for (int c = (tid % 2) * 32; c < (tid % 2) * 32 + 32; ++c) {
             if (k0 + c > position) break;
-            const float x = (float)(T)s[row * 64 + c];  // rounded as the MLX product in T
+            float x = (float)(T)s[row * 64 + c];  // rounded as the MLX product in T
+            if (NOISY) x = (x + gumbel(row_hash, (unsigned int)(k0 + c))) / tau;
             if (x > run_max) {
                 run_sum = run_sum * __expf(run_max - x) + 1.0f;
                 run_max = x;
@@ -148,17 +174,32 @@ _COLUMN_SUMS_BODY = _QUERY_FRAGMENTS + """
     // the first row tile with a query that sees key k0 (query positions first + m / G)
     const int m_start = max(0, k0 - first) * G / 64 * 64;
     wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[D / 16];
+    __shared__ float row_lse[64];
+    __shared__ float row_tau[64];  // NOISY
+    __shared__ unsigned int row_hash[64];
     for (int m0 = m_start; m0 < M; m0 += 64) {
         _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
             wmma::load_matrix_sync(a[k], q + (r * M_pad + m0 + warp * 16) * D + k * 16, D);
         }
-        __syncthreads();  // keys_tile loaded (first tile); s read by every thread (later tiles)
+        __syncthreads();  // keys_tile loaded (first tile); the last tile's s and rows read by all
+        if (tid < 64 && m0 + tid < M) {  // the tile's rows: lse (and noise stream, temperature)
+            const int m = m0 + tid;
+            row_lse[tid] = lse[r * M + m];
+            if (NOISY) {
+                const int position = first + m / G;
+                row_hash[tid] = mix32(streams[r * G + m % G] ^ (redraw * (position + 1)));
+                row_tau[tid] = taus[position - first];
+            }
+        }
         warp_logits<T, D>(a, keys_tile, s, warp);
-        __syncthreads();
+        __syncthreads();  // s, and the rows' lse (noise) in shared memory
         for (int i = (tid % 2) * 32; i < (tid % 2) * 32 + 32; ++i) {
             const int m = m0 + i;
             if (m >= M) break;
-            if (key <= first + m / G) total += __expf((float)(T)s[i * 64 + col] - lse[r * M + m]);
+            if (key > first + m / G) continue;
+            float x = (float)(T)s[i * 64 + col];
+            if (NOISY) x = (x + gumbel(row_hash[i], (unsigned int)key)) / row_tau[i];
+            total += __expf(x - row_lse[i]);
         }
     }
     total += __shfl_xor_sync(0xffffffffu, total, 1);
@@ -171,7 +212,7 @@ _kernels: dict[str, object] = {}
 def _kernel(which: str):
     if which not in _kernels:
         body = _ROW_LSE_BODY if which == "row_lse" else _COLUMN_SUMS_BODY
-        inputs = ["q", "keys", "dims"] + (["lse"] if which == "column_sums" else [])
+        inputs = ["q", "keys", "dims", "streams", "taus"] + (["lse"] if which == "column_sums" else [])
         outputs = ["lse"] if which == "row_lse" else ["sums"]
         _kernels[which] = mx.fast.cuda_kernel(name=f"prompt_{which}", input_names=inputs, output_names=outputs,
                                               source=body, header=_HEADER)
@@ -182,7 +223,8 @@ def shape_supported(head_dim: int, dtype) -> bool:
     return head_dim % 16 == 0 and 16 <= head_dim <= 128 and dtype in (mx.float16, mx.bfloat16)
 
 
-def accumulated_attention_fused(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
+def accumulated_attention_fused(queries: mx.array, keys: mx.array, scale: float,
+                                noise: PromptNoise | None = None) -> mx.array:
     """The two kernels; the same contract as `accumulated_attention_reference`."""
     R, G, L, D = queries.shape
     n = keys.shape[1]
@@ -192,11 +234,15 @@ def accumulated_attention_fused(queries: mx.array, keys: mx.array, scale: float)
     q = (queries * scale).astype(keys.dtype).transpose(0, 2, 1, 3).reshape(R, M, D)
     if M_pad > M:
         q = mx.concatenate([q, mx.zeros((R, M_pad - M, D), q.dtype)], axis=1)
-    dims = dispatch.constant((M, n, n - L, G, M_pad), mx.int32)
-    template = [("T", keys.dtype), ("D", D)]
-    (lse,) = _kernel("row_lse")(inputs=[q, keys, dims], template=template, grid=(M_pad // ROWS * THREADS, R, 1),
-                                threadgroup=(THREADS, 1, 1), output_shapes=[(R, M)], output_dtypes=[mx.float32])
-    (sums,) = _kernel("column_sums")(inputs=[q, keys, dims, lse], template=template,
+    redraw = noise is not None and noise.redraw
+    dims = dispatch.constant((M, n, n - L, G, M_pad, int(redraw)), mx.int32)
+    streams = noise.streams if noise is not None else dispatch.constant((0,), mx.uint32)  # placeholders: not read
+    taus = noise.tau.astype(mx.float32) if noise is not None else dispatch.constant((1.0,), mx.float32)
+    template = [("T", keys.dtype), ("D", D), ("NOISY", noise is not None)]
+    (lse,) = _kernel("row_lse")(inputs=[q, keys, dims, streams, taus], template=template,
+                                grid=(M_pad // ROWS * THREADS, R, 1), threadgroup=(THREADS, 1, 1),
+                                output_shapes=[(R, M)], output_dtypes=[mx.float32])
+    (sums,) = _kernel("column_sums")(inputs=[q, keys, dims, streams, taus, lse], template=template,
                                      grid=(-(-n // KEYS) * THREADS, R, 1), threadgroup=(THREADS, 1, 1),
                                      output_shapes=[(R, n)], output_dtypes=[mx.float32])
     return sums
@@ -210,20 +256,29 @@ def random_case(R: int, G: int, L: int, n: int, D: int, dtype, seed: int = 0):
     return mx.random.normal((R, G, L, D), key=k1).astype(dtype), (2 * mx.random.normal((R, n, D), key=k2)).astype(dtype)
 
 
-def _selftest(backend: str, dtype, D: int) -> None:
+def random_noise(R: int, G: int, L: int, redraw: bool = True, seed: int = 0) -> PromptNoise:
+    """Keyformer-like noise: layer `seed`'s streams, temperatures between 0.5 and 2."""
+    tau = mx.random.uniform(0.5, 2.0, (L,), key=mx.random.key(seed))
+    return PromptNoise(noise_streams(seed, 3, mx.arange(R * G, dtype=mx.uint32).reshape(R, G)), redraw, tau)
+
+
+def _selftest(backend: str, dtype, variant: tuple) -> None:
+    D, noisy = variant
     if backend != "cuda":
         raise NotImplementedError("prompt_scores kernels: CUDA only")
     queries, keys = random_case(2, 3, 150, 200, D, dtype, seed=1)
-    got = accumulated_attention_fused(queries, keys, D**-0.5)
+    noise = random_noise(2, 3, 150, seed=2) if noisy else None
+    got = accumulated_attention_fused(queries, keys, D**-0.5, noise)
     with mx.stream(mx.cpu):  # the same roundings (queries and logits in the dtype), float32 sums
-        want = accumulated_attention_reference(queries, keys, D**-0.5)
+        want = accumulated_attention_reference(queries, keys, D**-0.5, noise)
         mx.eval(want)
     dispatch.assert_close(got, want, _SELFTEST_TOLERANCE[dtype], "prompt_scores self-test")
 
 
-def fuses(queries: mx.array, keys: mx.array) -> bool:
-    """Whether the kernels run for these inputs here (self-test on first use)."""
+def fuses(queries: mx.array, keys: mx.array, noisy: bool = False) -> bool:
+    """Whether the kernels run for these inputs (and Keyformer's noise) here (self-test on first use)."""
     D = queries.shape[-1]
     if not (shape_supported(D, keys.dtype) and queries.dtype == keys.dtype and keys.shape[-1] == D):
         return False
-    return dispatch.select("prompt_scores", keys.dtype, (D,), lambda b: _selftest(b, keys.dtype, D)) is not None
+    variant = (D, noisy)
+    return dispatch.select("prompt_scores", keys.dtype, variant, lambda b: _selftest(b, keys.dtype, variant)) is not None

@@ -154,6 +154,11 @@ class Eviction(Method):
         """"replace": new scores [R, n] from this step's attention probabilities [R, G, S, n]."""
         raise NotImplementedError
 
+    def prompt_kernel_noise(self, cache, rows: int, group: int, queries: int):
+        """"accumulate": where `transform` is (logits + Gumbel noise) / tau (Keyformer), the noise of
+        the prompt's last `queries` queries as kernels/prompt_scores.PromptNoise; else None."""
+        return None
+
     def kernel_noise(self, cache, rows: int, group: int):
         """"accumulate": where `transform` is (logits + Gumbel noise) / tau (Keyformer), this step's
         noise and tau as kernels/scored_attention.GumbelNoise, so the GPU kernels apply it; else None."""
@@ -479,8 +484,12 @@ class EvictionCache(CompressedCache):
                 return scorer.transform(self, logits, query_positions, key_positions[None])
 
             sq = scorer.score_queries(self, q, new_keys)
-            plain = self._plain_scores()  # H2O: the attention itself (the GPU's prompt-scoring kernels)
-            self._scores = self.scores + accumulated_attention(sq, self.keys, scale, None if plain else transform)
+            # on a GPU the prompt-scoring kernels take H2O's (the attention itself: no transform)
+            # and Keyformer's (its noise drawn in them)
+            plain = self._plain_scores()
+            noise = None if plain else scorer.prompt_kernel_noise(self, q.shape[0], q.shape[1], q.shape[2])
+            self._scores = self.scores + accumulated_attention(sq, self.keys, scale, None if plain else transform,
+                                                               kernel_noise=noise)
         elif scorer.window():
             w = scorer.window()
             q = q[:, :, -w:]

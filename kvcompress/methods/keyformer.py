@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import check, is_int
+from ..kernels.prompt_scores import PromptNoise
 from ..kernels.scored_attention import GumbelNoise
 from .counter_hash import gumbel_noise_from_streams, noise_streams
 from .eviction import Eviction
@@ -118,6 +119,14 @@ class Keyformer(Eviction):
             return logits
         noise = self._noise(cache, *logits.shape[:2], query_positions, key_positions)  # [R, G, L|1, n]
         return (logits + noise) / self._tau_at(cache, query_positions)
+
+    def prompt_kernel_noise(self, cache, rows, group, queries):
+        if self.score == "proxy":
+            return None
+        query_positions = mx.arange(cache.position - queries, cache.position, dtype=mx.int32)
+        tau = mx.array(self._tau_at(cache, query_positions), mx.float32).reshape(-1)  # [L, 1] (or one float)
+        return PromptNoise(_streams(self.seed, cache.layer, rows, group), self.noise != "frozen",
+                           mx.broadcast_to(tau, (queries,)))
 
     def kernel_noise(self, cache, rows, group):
         if self.score == "proxy":

@@ -25,8 +25,8 @@ while the device runs the previous one (no host-device sync per tile), and scrat
 Scratch: a few tile-sized float32 temporaries of at most two tiles (measured on the CPU: ~2.5 tiles
 at the peak), plus the [R, n] scores.
 `accumulated_attention_reference` is the plain quadratic version the tests compare against.
-On a CUDA GPU, H2O's sum (no transform) takes kvcompress/kernels/prompt_scores.py instead: the same
-two passes with every tile kept on the chip.
+On a CUDA GPU, H2O's and Keyformer's sums take kvcompress/kernels/prompt_scores.py instead: the
+same two passes with every tile kept on the chip (Keyformer's noise drawn there).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def tile_shape(rows: int, L: int, n: int, elements: int) -> tuple[int, int]:
 def accumulated_attention(
     queries: mx.array, keys: mx.array, scale: float, transform: Transform | None = None,
     tile: tuple[int, int] | None = None, fused: bool | None = None,
+    kernel_noise: prompt_kernels.PromptNoise | None = None,
 ) -> mx.array:
     """sum over queries and the group of softmax(transform(causal logits)) -> [R, n] float32.
 
@@ -90,15 +91,16 @@ def accumulated_attention(
     keys [R, n, D] are at positions 0..n-1. `tile` = (query rows, keys) per tile, or None to size
     tiles to the element budget (TILE_ELEMENTS; GPU_TILE_ELEMENTS on a GPU); a query tile whose
     queries see at most that many keys takes one pass. `fused` (default: on a GPU) compiles the
-    per-element chain (cast, transform, mask; exp in the second pass) into one kernel. On a GPU
-    without a transform or `tile`, kernels/prompt_scores.py's kernels where they run.
+    per-element chain (cast, transform, mask; exp in the second pass) into one kernel.
+    On a GPU without `tile`, kernels/prompt_scores.py's kernels where they run, for no transform
+    (H2O) or one they draw themselves (`kernel_noise`: Keyformer's, the same as `transform`).
     """
     R, G, L, D = queries.shape
     n = keys.shape[1]
     gpu = mx.default_device().type == mx.DeviceType.gpu
-    if gpu and transform is None and tile is None:  # H2O's sum on tensor cores, where they run
-        if prompt_kernels.fuses(queries, keys):
-            return prompt_kernels.accumulated_attention_fused(queries, keys, scale)
+    if gpu and tile is None and (transform is None or kernel_noise is not None):  # on tensor cores
+        if prompt_kernels.fuses(queries, keys, kernel_noise is not None):
+            return prompt_kernels.accumulated_attention_fused(queries, keys, scale, kernel_noise)
         if not prompt_kernels.shape_supported(D, keys.dtype):
             dispatch.record_reference("prompt_scores", keys.dtype)
     fused = gpu if fused is None else fused

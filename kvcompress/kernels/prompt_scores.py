@@ -94,12 +94,15 @@ __device__ inline void warp_logits(wmma::fragment<wmma::matrix_a, 16, 16, 16, T,
         wmma::store_matrix_sync(s + warp * 16 * 64 + col * 16, c, 64, wmma::mem_row_major);
     }
 }
-// the keys k0 .. k0 + 63 of row r into shared memory, zeros past n
+// the keys k0 .. k0 + 63 of row r into shared memory, zeros past n: 16-byte loads (a key row of
+// D * sizeof(T) bytes is a whole number of them: D is a multiple of 16)
 template <typename T, int D>
 __device__ inline void load_keys(const T* keys, T* tile, long r, int k0, int n, int tid) {
-    for (int e = tid; e < 64 * D; e += 128) {
-        const int j = k0 + e / D;
-        tile[e] = j < n ? keys[(r * n + j) * D + e % D] : (T)0.0f;
+    constexpr int PER_ROW = D * (int)sizeof(T) / 16;
+    const uint4 zero = {0u, 0u, 0u, 0u};
+    for (int e = tid; e < 64 * PER_ROW; e += 128) {
+        const int j = k0 + e / PER_ROW;
+        reinterpret_cast<uint4*>(tile)[e] = j < n ? reinterpret_cast<const uint4*>(keys + (r * n + j) * D)[e % PER_ROW] : zero;
     }
 }
 """

@@ -4,7 +4,9 @@ against another revision's (default: main), one layer of the Llama-3.1-8B shape.
 Random post-RoPE queries [8 KV heads, 4 query heads each, T, 128] and keys [8, T, 128] score a
 T-token prompt as a prefill does: in chunks of --chunk queries (mlx-lm's default 2048; 0 = one
 call), each chunk over all keys so far. Timed per method: H2O (no transform) and Keyformer (its own
-transform through a real EvictionCache, as `_score_prompt_queries` calls it). Both versions run
+transform through a real EvictionCache, as `_score_prompt_queries` calls it); new = this tree's MLX
+tiles, and on CUDA also this tree's tensor-core kernels (kvcompress/kernels/prompt_scores.py, what
+the cache takes there; `--cache` times the cache with them). Both versions run
 interleaved in one process (medians of --reps), so the ratio old/new is measured under one load.
 `--cache` also times `EvictionCache.from_prefill` (scoring, selection, the cache's own work) with
 each version patched in, and, for scale, the layer's causal attention (SDPA) over the prompt:
@@ -39,6 +41,8 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
 
+from kvcompress.kernels import dispatch  # noqa: E402
+
 from kvcompress.methods import eviction, prompt_scores  # noqa: E402
 from kvcompress.methods.eviction import EvictionCache  # noqa: E402
 from kvcompress.methods.h2o import H2O  # noqa: E402
@@ -57,7 +61,8 @@ def module_at(rev: str):
                                 check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "prompt_scores_old.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("prompt_scores_old", path)
+    # named inside kvcompress.methods: its relative imports (..kernels) resolve to this tree's
+    spec = importlib.util.spec_from_file_location("kvcompress.methods.prompt_scores_old", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -107,8 +112,20 @@ def main():
     old = module_at(args.against)
     fused = {"auto": None, "on": True, "off": False}[args.fused]
 
-    def new(q, k, scale, transform):
-        return prompt_scores.accumulated_attention(q, k, scale, transform, fused=fused)
+    def new(q, k, scale, transform):  # the MLX tiles (an explicit tile: the default's, kernels bypassed)
+        tile = prompt_scores.tile_shape(R * G, q.shape[2], k.shape[1], prompt_scores.GPU_TILE_ELEMENTS
+                                        if mx.default_device() == mx.gpu else prompt_scores.TILE_ELEMENTS)
+        return prompt_scores.accumulated_attention(q, k, scale, transform, tile=tile, fused=fused)
+
+    def with_kernels(config, cache):
+        """kernels/prompt_scores.py's tensor-core path, as `_score_prompt_queries` takes it on CUDA."""
+        def run(q, k, scale, transform):
+            cache.position = k.shape[1]  # the chunk's queries are the last ones so far
+            noise = config.scoring().prompt_kernel_noise(cache, R, G, q.shape[2])
+            return prompt_scores.accumulated_attention(q, k, scale, transform, kernel_noise=noise)
+        return run
+
+    cuda = dispatch.gpu_backend() == "cuda"
 
     dtype = getattr(mx, args.dtype)
     device = mx.default_device()
@@ -117,8 +134,8 @@ def main():
     if args.tokens:
         print(f"\naccumulated_attention, one layer: {R} KV heads x {G} query heads, D {D}; "
               f"prefill chunks {args.chunk or 'none'}")
-        print("| method | tokens | old ms | new ms | old/new |")
-        print("| --- | ---: | ---: | ---: | ---: |", flush=True)
+        print("| method | tokens | old ms | new ms (MLX tiles) | old/new | kernels ms | old/kernels |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for T in args.tokens:
         k1, k2 = mx.random.split(mx.random.key(T))
         q = mx.random.normal((R, G, T, D), key=k1).astype(dtype)
@@ -126,13 +143,15 @@ def main():
         mx.eval(q, k)
         for name in args.methods:
             config = H2O(budget=0.5) if name == "h2o" else Keyformer(budget=0.5)
-            transform = scorer_transform(config, prefill_cache(config, T))
-            old_ms, new_ms = interleaved_median_ms(
-                lambda: score_prompt(old.accumulated_attention, q, k, transform, args.chunk),
-                lambda: score_prompt(new, q, k, transform, args.chunk),
-                reps=args.reps,
-            )
-            print(f"| {name} | {T} | {old_ms:.1f} | {new_ms:.1f} | {old_ms / new_ms:.2f} |", flush=True)
+            cache = prefill_cache(config, T)
+            transform = scorer_transform(config, cache)
+            runs = [lambda: score_prompt(old.accumulated_attention, q, k, transform, args.chunk),
+                    lambda: score_prompt(new, q, k, transform, args.chunk)]
+            if cuda:
+                runs.append(lambda: score_prompt(with_kernels(config, cache), q, k, transform, args.chunk))
+            old_ms, new_ms, *kernel_ms = interleaved_median_ms(*runs, reps=args.reps)
+            kernels = f"{kernel_ms[0]:.1f} | {old_ms / kernel_ms[0]:.2f}" if kernel_ms else "- | -"
+            print(f"| {name} | {T} | {old_ms:.1f} | {new_ms:.1f} | {old_ms / new_ms:.2f} | {kernels} |", flush=True)
     if args.cache:
         print("\nThrough a real cache: EvictionCache.from_prefill of one layer (B 1), each version patched in;"
               " SDPA: the same layer's causal attention over the prompt (a full cache's share)")
@@ -153,7 +172,10 @@ def main():
 
                 def prefill(fn):
                     def run():
-                        eviction.accumulated_attention = fn
+                        # this tree's cache passes kernel_noise (its tensor-core path on CUDA); an
+                        # old version does not take it
+                        eviction.accumulated_attention = fn if fn is prompt_scores.accumulated_attention else \
+                            (lambda *a, kernel_noise=None, **kw: fn(*a, **kw))
                         try:
                             cache = EvictionCache(config, 0, 1, R, D, nn.RoPE(D), D**-0.5)
                             cache.from_prefill(k, v, q)
@@ -163,7 +185,8 @@ def main():
                     return run
 
                 sdpa_ms, old_ms, new_ms = interleaved_median_ms(
-                    sdpa, prefill(old.accumulated_attention), prefill(new), reps=args.reps)
+                    sdpa, prefill(old.accumulated_attention), prefill(prompt_scores.accumulated_attention),
+                    reps=args.reps)
                 print(f"| {name} | {T} | {sdpa_ms:.1f} | {old_ms:.1f} | {new_ms:.1f} | {old_ms / new_ms:.2f} | "
                       f"{new_ms / sdpa_ms:.1f} |", flush=True)
     if args.model:

@@ -24,12 +24,14 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the CPU emulator's helpers
 
 import kvcompress  # noqa: E402,F401  (BLAS preload before mlx)
 import mlx.core as mx  # noqa: E402
 
 from kvcompress.kernels import dispatch, evict, kivi_attention, kivi_quant  # noqa: E402
 from kvcompress.kernels import prompt_scores, scored_attention  # noqa: E402
+from cuda_on_cpu import template_parameters  # noqa: E402
 
 WHEELS = ("nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-runtime-cu12")
 CACHE = Path.home() / ".cache" / "kvcompress" / "cuda"
@@ -121,17 +123,7 @@ class CompileOnlyKernel:
         params = [f"const {C_TYPES[_name(a.dtype)]}* {n}" for n, a in zip(self.input_names, inputs)]
         params += [f"const int32_t* {n}_shape" for n in self.input_names if f"{n}_shape" in self.source]
         params += [f"{C_TYPES[_name(d)]}* {n}" for n, d in zip(self.output_names, output_dtypes)]
-        kinds, values = [], []
-        for key, value in template:
-            if isinstance(value, bool):
-                kinds.append(f"bool {key}")
-                values.append(str(value).lower())
-            elif isinstance(value, int):
-                kinds.append(f"int {key}")
-                values.append(str(value))
-            else:
-                kinds.append(f"typename {key}")
-                values.append(C_TYPES[_name(value)])
+        kinds, values = template_parameters(template, C_TYPES)
         signature = f"__global__ void {self.name}({', '.join(params)})"
         prefix = f"template <{', '.join(kinds)}>\n" if kinds else ""
         source = (PRELUDE + self.header + "\n"

@@ -243,17 +243,7 @@ class EmulatedKernel:
         outputs = {name: (int(np.prod(shape)), _np_dtype(dtype))
                    for name, shape, dtype in zip(self.output_names, output_shapes, output_dtypes)}
         params += [f"{C_TYPES[np.dtype(dtype)]}* {name}" for name, (_, dtype) in outputs.items()]
-        template_params, template_args = [], []
-        for key, value in template:
-            if isinstance(value, bool):
-                template_params.append(f"bool {key}")
-                template_args.append(str(value).lower())
-            elif isinstance(value, int):
-                template_params.append(f"int {key}")
-                template_args.append(str(value))
-            else:  # a dtype
-                template_params.append(f"typename {key}")
-                template_args.append(_MX_C_TYPES[str(value).split(".")[-1]])
+        template_params, template_args = template_parameters(template, _MX_C_TYPES)
         prefix = f"template <{', '.join(template_params)}>\n" if template_params else ""
         kernel = f"{self.header}\n{prefix}__global__ void {self.name}({', '.join(params)}) {{\n{self.source}\n}}\n"
         call = self.name + (f"<{', '.join(template_args)}>" if template_args else "")
@@ -265,6 +255,23 @@ class EmulatedKernel:
         got = run(kernel, [(call, blocks_x, blocks_y, threadgroup[0], names)], {**arrays, **shapes}, outputs, workdir,
                   init_value)
         return [mx.array(got[name].reshape(shape)) for name, shape in zip(self.output_names, output_shapes)]
+
+
+def template_parameters(template, c_types: dict[str, str]) -> tuple[list[str], list[str]]:
+    """An MLX kernel call's `template` [(name, bool | int | dtype)] as the kernel's template
+    parameters ("int D") and the instance's arguments ("128"); c_types: dtype name -> C type."""
+    params, args = [], []
+    for key, value in template:
+        if isinstance(value, bool):
+            params.append(f"bool {key}")
+            args.append(str(value).lower())
+        elif isinstance(value, int):
+            params.append(f"int {key}")
+            args.append(str(value))
+        else:  # a dtype
+            params.append(f"typename {key}")
+            args.append(c_types[str(value).split(".")[-1]])
+    return params, args
 
 
 def _np_dtype(dtype) -> np.dtype:

@@ -239,3 +239,38 @@ def test_cache_step_through_the_kernels(emulated_cuda, monkeypatch, method):
     finally:
         dispatch.forget_verdicts()
         dispatch.reset_paths()
+
+
+@pytest.mark.parametrize("method", ["h2o", "keyformer"])
+def test_cache_prompt_through_the_kernels(emulated_cuda, monkeypatch, method):
+    """An H2O / Keyformer cache whose dispatch sees a CUDA GPU scores its prompt through the
+    (emulated) tensor-core kernels, Keyformer's noise drawn there, and keeps what the MLX tiles keep."""
+    from kvcompress.kernels import dispatch
+    from kvcompress.methods import method_config
+    from kvcompress.methods.eviction import EvictionCache
+
+    cfg = method_config(method, budget=40)
+    k1, k2, k3 = mx.random.split(mx.random.key(5), 3)
+    keys, values = mx.random.normal((1, 2, 150, 32), key=k1), mx.random.normal((1, 2, 150, 32), key=k2)
+    queries = mx.random.normal((1, 6, 150, 32), key=k3)
+
+    def prefill():
+        cache = EvictionCache(cfg, 1, 4, 2, 32, None, 32**-0.5)
+        cache.from_prefill(keys, values, queries)
+        return cache
+
+    tiles = prefill()
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: "cuda")
+    # float32 here (the emulator's); a GPU's tensor cores take fp16 / bf16 only
+    monkeypatch.setattr(prompt_kernels, "shape_supported", lambda head_dim, dtype: head_dim % 16 == 0)
+    dispatch.forget_verdicts()
+    dispatch.reset_paths()
+    try:
+        with_kernels = prefill()
+        assert dispatch.paths_used()["prompt_scores/cuda/float32"] == "fused"
+    finally:
+        dispatch.forget_verdicts()
+        dispatch.reset_paths()
+    assert_close(with_kernels.scores, tiles.scores, "scores", atol=1e-5)
+    assert np.array_equal(np.array(with_kernels.kept_positions()), np.array(tiles.kept_positions()))
+

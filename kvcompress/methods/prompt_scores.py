@@ -98,7 +98,8 @@ def accumulated_attention(
     R, G, L, D = queries.shape
     n = keys.shape[1]
     gpu = mx.default_device().type == mx.DeviceType.gpu
-    if gpu and tile is None and (transform is None or kernel_noise is not None):  # on tensor cores
+    cuda = dispatch.gpu_backend() == "cuda"
+    if cuda and tile is None and (transform is None or kernel_noise is not None):  # on tensor cores
         if prompt_kernels.fuses(queries, keys, kernel_noise is not None):
             return prompt_kernels.accumulated_attention_fused(queries, keys, scale, kernel_noise)
         if not prompt_kernels.shape_supported(D, keys.dtype):

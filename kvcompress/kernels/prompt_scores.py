@@ -1,10 +1,13 @@
-"""H2O's prompt scores on tensor cores: every key's causal attention summed over a prompt's queries.
+"""H2O's and Keyformer's prompt scores on tensor cores: every key's causal attention summed over a
+prompt's queries.
 
 s_j = sum over the query rows m (the G heads of a KV row times the L prompt queries) of
 softmax(x_m)_j, x_mj = q_m . k_j (queries pre-scaled) for the keys j the query at position p(m) sees
-(j <= p(m)). kvcompress/methods/prompt_scores.py computes it in MLX tiles: a matmul writes each tile
+(j <= p(m)); Keyformer's x_mj = (q_m . k_j + zeta_mj) / tau_m, its Gumbel noise drawn in the
+kernels from the same counter hash as kvcompress/methods/counter_hash.py (`PromptNoise`). kvcompress/methods/prompt_scores.py computes it in MLX tiles: a matmul writes each tile
 of logits, then a compiled chain, a softmax and a column sum each read and write it again; at 32k
-(8 KV heads x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200
+(8 KV heads x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200 (Keyformer's
+~4.4x)
 (benchmarks/EVICTION_GPU_NOTES.md), the tiles' memory traffic, not their arithmetic, bounding it.
 Here two kernels keep every logit on the chip (FlashAttention's two-pass form, Dao et al. 2022):
 
@@ -21,10 +24,11 @@ causal limit of a tile is tight. The logits are rounded to the model's dtype bef
 as the MLX path's product in that dtype rounds them.
 
 CUDA only (fp16 / bf16: what tensor cores take), head dims 16..128 in steps of 16; Metal and the
-rest run the MLX path. Written after this session's device time ran out: run on the CPU through
-tests/cuda_on_cpu.py (whose wmma stand-in keeps a whole tile per thread, float32 instantiations),
-not yet on a GPU. Its dispatch self-test guards it (a compile error or a wrong number there: the
-MLX path runs).
+rest run the MLX path. Written after a session's device time ran out: run on the CPU through
+tests/cuda_on_cpu.py (whose wmma stand-in keeps a whole tile per thread, float32 instantiations)
+and compiled for sm_90 by scripts/cuda_compile_check.py (54-78 registers, no spills), not yet run
+on a GPU. Its dispatch self-test guards it (a compile error or a wrong number there: the MLX path
+runs).
 """
 
 from __future__ import annotations

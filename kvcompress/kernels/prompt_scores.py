@@ -3,12 +3,12 @@ prompt's queries.
 
 s_j = sum over the query rows m (the G heads of a KV row times the L prompt queries) of
 softmax(x_m)_j, x_mj = q_m . k_j (queries pre-scaled) for the keys j the query at position p(m) sees
-(j <= p(m)); Keyformer's x_mj = (q_m . k_j + zeta_mj) / tau_m, its Gumbel noise drawn in the
-kernels from the same counter hash as kvcompress/methods/counter_hash.py (`PromptNoise`). kvcompress/methods/prompt_scores.py computes it in MLX tiles: a matmul writes each tile
-of logits, then a compiled chain, a softmax and a column sum each read and write it again; at 32k
-(8 KV heads x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200 (Keyformer's
-~4.4x)
-(benchmarks/EVICTION_GPU_NOTES.md), the tiles' memory traffic, not their arithmetic, bounding it.
+(j <= p(m)); for Keyformer x_mj = (q_m . k_j + zeta_mj) / tau_m, its Gumbel noise drawn in the
+kernels from the counter hash of kvcompress/methods/counter_hash.py (`PromptNoise`).
+kvcompress/methods/prompt_scores.py computes it in MLX tiles: a matmul writes each tile of logits,
+then a compiled chain, a softmax and a column sum each read and write it again; at 32k (8 KV heads
+x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200 and Keyformer's ~4.4x
+(benchmarks/EVICTION_GPU_NOTES.md): the tiles' memory traffic, not their arithmetic, bounds it.
 Here two kernels keep every logit on the chip (FlashAttention's two-pass form, Dao et al. 2022):
 
 1. `row_lse`: one block per 64 query rows; over tiles of 64 keys, the logits q . k from tensor-core

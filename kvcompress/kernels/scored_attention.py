@@ -210,7 +210,11 @@ _ATTEND_BODY = """
             const int half = V >> (step + 1);
             const int m = 16 >> step;
             const bool upper = (lane & m) != 0;
-            KV_UNROLL for (int i = 0; i < half; ++i) {
+            // a constant trip count (V / 2, the steps past `half` skipped): with `i < half` the
+            // compiler left this loop rolled at 8 heads, indexing v at run time, so v went to local
+            // memory (a 128-byte stack frame; scripts/cuda_compile_check.py)
+            KV_UNROLL for (int i = 0; i < V / 2; ++i) {
+                if (i >= half) break;
                 const float send = upper ? v[i] : v[i + half];
                 const float keep = upper ? v[i + half] : v[i];
                 v[i] = keep + SHFL_XOR(send, m);

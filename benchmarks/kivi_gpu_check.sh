@@ -2,7 +2,7 @@
 # One device call on the lent H200: the GPU tests, then the KIVI kernel benchmarks, then the
 # end-to-end decode benchmark; every log also goes to $OUT (default ./gpu-logs).
 # Usage (device, after the mlx CUDA install of ../shared/gpu/README.md):
-#   bash benchmarks/kivi_gpu_check.sh [tests] [attn] [decode] [bandwidth] [step] [scored] [e2e | e2e-kivi]
+#   bash benchmarks/kivi_gpu_check.sh [tests] [attn] [decode] [bandwidth] [step] [scored] [prompt] [e2e | e2e-kivi]
 # (default: tests attn decode bandwidth e2e)
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -25,14 +25,21 @@ for part in $parts; do
       timeout 500 $pytest tests/test_kivi_attention.py tests/test_kivi_quant.py tests/test_evict_gpu.py tests/test_evict.py \
         tests/test_dispatch.py -k "not run_config" > "$out/tests_kernels.log" 2>&1 &
       timeout 500 $pytest tests/test_eviction.py tests/test_streaming_ring.py > "$out/tests_eviction.log" 2>&1 &
-      timeout 500 $pytest tests/test_prompt_scores.py tests/test_keyformer.py tests/test_scored_attention.py \
+      timeout 500 $pytest tests/test_prompt_scores.py tests/test_keyformer.py \
         --deselect tests/test_keyformer.py::test_embedded_model_stream_generate_drop_in > "$out/tests_scoring.log" 2>&1 &
+      timeout 500 $pytest tests/test_scored_attention.py > "$out/tests_scored.log" 2>&1 &
       wait
       for log in "$out"/tests_*.log; do echo "== $log"; grep -v "^SKIPPED" "$log" | tail -8; done ;;
     attn|decode|bandwidth|step)
       python3 benchmarks/kivi_gpu.py "$part" 2>&1 | tee "$out/kivi_gpu_$part.log" ;;
     scored)  # the scoring methods' decode kernels, every variant, against SDPA and the MLX ops
       python3 benchmarks/scored_attention_speed.py 2>&1 | tee "$out/scored_attention.log" ;;
+    prompt)  # H2O's and Keyformer's prompt scoring: the tensor-core kernels against the MLX tiles
+      # (the old file: the MLX tiles alone, as before the kernels; a device copy has no git history)
+      git show 7718c4b:kvcompress/methods/prompt_scores.py > "$out/old_prompt_scores.py" 2>/dev/null \
+        || cp .gpuwork/v2/old_prompt_scores.py "$out/old_prompt_scores.py"
+      python3 benchmarks/prompt_scores_speed.py --tokens 8192 32768 --dtype float16 --cache \
+        --against "$out/old_prompt_scores.py" 2>&1 | tee "$out/prompt_scores.log" ;;
     e2e)
       python3 benchmarks/kivi_e2e.py --contexts 32768 8192 --steps 8 --rounds 3 --warmup 2 \
         --caches full "kivi bits=2" "kivi bits=4" "streaming budget=0.5" "snapkv budget=0.5" "tova budget=0.5" \

@@ -35,11 +35,8 @@ for part in $parts; do
     scored)  # the scoring methods' decode kernels, every variant, against SDPA and the MLX ops
       python3 benchmarks/scored_attention_speed.py 2>&1 | tee "$out/scored_attention.log" ;;
     prompt)  # H2O's and Keyformer's prompt scoring: the tensor-core kernels against the MLX tiles
-      # (the old file: the MLX tiles alone, as before the kernels; a device copy has no git history)
-      git show 7718c4b:kvcompress/methods/prompt_scores.py > "$out/old_prompt_scores.py" 2>/dev/null \
-        || cp .gpuwork/v2/old_prompt_scores.py "$out/old_prompt_scores.py"
-      python3 benchmarks/prompt_scores_speed.py --tokens 8192 32768 --dtype float16 --cache \
-        --against "$out/old_prompt_scores.py" 2>&1 | tee "$out/prompt_scores.log" ;;
+      python3 benchmarks/prompt_scores_speed.py --tokens 8192 32768 --dtype float16 --cache --against tiles \
+        2>&1 | tee "$out/prompt_scores.log" ;;
     e2e)
       python3 benchmarks/kivi_e2e.py --contexts 32768 8192 --steps 8 --rounds 3 --warmup 2 \
         --caches full "kivi bits=2" "kivi bits=4" "streaming budget=0.5" "snapkv budget=0.5" "tova budget=0.5" \

@@ -19,6 +19,7 @@ model's whole prefill of an N-token essay prompt (mlx-lm's generate_step, chunks
     python benchmarks/prompt_scores_speed.py --tokens --model 1024 --reps 1         # CPU, the real model
 
 On a GPU the new version compiles its per-element chain (`fused`); --fused on/off overrides that.
+`--against tiles` compares this tree's MLX tiles (old) with its kernels, no other revision needed.
 Where the tree has no git history (a device copy), pass the old file: `git show
 46240b4:kvcompress/methods/prompt_scores.py > old_prompt_scores.py` beforehand, then
 `--against old_prompt_scores.py`.
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's kvcompress, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +52,13 @@ from kvcompress.methods.keyformer import Keyformer  # noqa: E402
 
 R, G, D = 8, 4, 128  # KV heads, query heads per KV head, head dim (Llama-3.1-8B)
 REPO = Path(__file__).resolve().parent.parent
+
+
+def tiles_only(q, k, scale, transform=None, tile=None, fused=None):
+    """This tree's MLX tiles, the prompt kernels bypassed (the default tile made explicit)."""
+    elements = prompt_scores.GPU_TILE_ELEMENTS if mx.default_device() == mx.gpu else prompt_scores.TILE_ELEMENTS
+    tile = tile or prompt_scores.tile_shape(q.shape[0] * q.shape[1], q.shape[2], k.shape[1], elements)
+    return prompt_scores.accumulated_attention(q, k, scale, transform, tile=tile, fused=fused)
 
 
 def module_at(rev: str):
@@ -102,20 +111,19 @@ def main():
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float32")
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (queries per call); 0: one call")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--against", default="main", help="git revision of the old prompt_scores.py, or its file")
+    parser.add_argument("--against", default="main", help="git revision of the old prompt_scores.py, or its file, "
+                        "or 'tiles': this tree's MLX tiles (the prompt kernels bypassed)")
     parser.add_argument("--methods", nargs="+", choices=["h2o", "keyformer"], default=["h2o", "keyformer"])
     parser.add_argument("--fused", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--cache", action="store_true", help="also time from_prefill and the layer's SDPA")
     parser.add_argument("--model", type=int, metavar="TOKENS", help="also time the embedded model's prefill")
     args = parser.parse_args()
 
-    old = module_at(args.against)
+    old = SimpleNamespace(accumulated_attention=tiles_only) if args.against == "tiles" else module_at(args.against)
     fused = {"auto": None, "on": True, "off": False}[args.fused]
 
-    def new(q, k, scale, transform):  # the MLX tiles (an explicit tile: the default's, kernels bypassed)
-        tile = prompt_scores.tile_shape(R * G, q.shape[2], k.shape[1], prompt_scores.GPU_TILE_ELEMENTS
-                                        if mx.default_device() == mx.gpu else prompt_scores.TILE_ELEMENTS)
-        return prompt_scores.accumulated_attention(q, k, scale, transform, tile=tile, fused=fused)
+    def new(q, k, scale, transform):
+        return tiles_only(q, k, scale, transform, fused=fused)
 
     def with_kernels(config, cache):
         """kernels/prompt_scores.py's tensor-core path, as `_score_prompt_queries` takes it on CUDA."""

@@ -149,17 +149,6 @@ def test_gpu_default_path_equals_plain_and_reference(monkeypatch, dtype, tile):
 needs_cuda = pytest.mark.skipif(dispatch.gpu_backend() != "cuda", reason="needs a CUDA GPU (tensor-core kernels)")
 
 
-def _as_transform(noise):
-    """The MLX tiles' transform that is `noise` (as Keyformer.transform)."""
-    from kvcompress.methods.counter_hash import gumbel_noise_from_streams
-
-    def transform(logits, query_positions, key_positions):
-        zeta = gumbel_noise_from_streams(noise.streams, query_positions if noise.redraw else None, key_positions[None])
-        return (logits + zeta) / noise.tau[:, None]
-
-    return transform
-
-
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("noise", [None, "redraw", "frozen"])
@@ -173,7 +162,7 @@ def test_gpu_prompt_kernels_equal_the_mlx_tiles(dtype, noise, R, G, L, n, D):
     q, k = q.astype(dtype), k.astype(dtype)
     gumbel = None if noise is None else prompt_kernels.random_noise(R, G, L, noise == "redraw", seed=L)
     got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5, gumbel)
-    tiles = accumulated_attention(q, k, D**-0.5, None if gumbel is None else _as_transform(gumbel), tile=(64, n))
+    tiles = accumulated_attention(q, k, D**-0.5, None if gumbel is None else gumbel.apply, tile=(64, n))
     assert got.dtype == mx.float32 and got.shape == (R, n)
     np.testing.assert_allclose(np.array(got.sum(axis=1)), G * L, rtol=1e-4)  # every query's probabilities
     dispatch.assert_close(got, tiles, 2e-3 if dtype == mx.float16 else 1e-2, "scores")

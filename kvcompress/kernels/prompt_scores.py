@@ -33,6 +33,7 @@ runs).
 
 from __future__ import annotations
 
+import zlib
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -54,6 +55,12 @@ class PromptNoise(NamedTuple):
     redraw: bool  # a draw per query position (else the frozen noise: one per key)
     tau: mx.array  # [L] float32, each query's temperature
 
+    def apply(self, logits: mx.array, query_positions: mx.array, key_positions: mx.array) -> mx.array:
+        """logits [R, G, L, n] -> (logits + zeta) / tau in MLX ops (as Keyformer.transform); the
+        transform of methods/prompt_scores.py's tiles."""
+        zeta = gumbel_noise_from_streams(self.streams, query_positions if self.redraw else None, key_positions[None])
+        return (logits + zeta) / self.tau[:, None]
+
 
 def accumulated_attention_reference(queries: mx.array, keys: mx.array, scale: float,
                                     noise: PromptNoise | None = None) -> mx.array:
@@ -65,10 +72,8 @@ def accumulated_attention_reference(queries: mx.array, keys: mx.array, scale: fl
     q = (queries * scale).astype(keys.dtype).reshape(R, G * L, D)
     logits = (q @ keys.swapaxes(1, 2)).astype(mx.float32).reshape(R, G, L, n)
     query_positions = mx.arange(n - L, n, dtype=mx.int32)
-    if noise is not None:  # as Keyformer.transform
-        zeta = gumbel_noise_from_streams(noise.streams, query_positions if noise.redraw else None,
-                                         mx.arange(n, dtype=mx.int32)[None])
-        logits = (logits + zeta) / noise.tau[:, None]
+    if noise is not None:
+        logits = noise.apply(logits, query_positions, mx.arange(n, dtype=mx.int32))
     visible = mx.arange(n)[None, :] <= query_positions[:, None]  # [L, n]
     logits = mx.where(visible, logits, -mx.inf)
     return mx.softmax(logits, axis=-1, precise=True).sum(axis=(1, 2))
@@ -221,7 +226,9 @@ def _kernel(which: str):
         body = _ROW_LSE_BODY if which == "row_lse" else _COLUMN_SUMS_BODY
         inputs = ["q", "keys", "dims", "streams", "taus"] + (["lse"] if which == "column_sums" else [])
         outputs = ["lse"] if which == "row_lse" else ["sums"]
-        _kernels[which] = mx.fast.cuda_kernel(name=f"prompt_{which}", input_names=inputs, output_names=outputs,
+        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
+        name = f"prompt_{which}_{zlib.crc32((_HEADER + body).encode()):08x}"
+        _kernels[which] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
                                               source=body, header=_HEADER)
     return _kernels[which]
 

@@ -82,13 +82,18 @@ def accumulated_attention_reference(queries: mx.array, keys: mx.array, scale: fl
 # One header and two bodies. `q` [R, M_pad, D] pre-scaled, query-major rows, zero rows past M;
 # `keys` [R, n, D]; dims: M (rows), n, first (the first query's position), G, M_pad, redraw (NOISY:
 # a draw per query); NOISY: `streams` [R, G] uint32, `taus` [L].
+# Shared memory is padded so that no access waits on a bank: key rows KEY_LD = D + 8 elements apart
+# (the tensor cores' 8-row loads land on 8 different 16-byte slots), logit rows S_LD = 68 floats
+# apart (a warp's 16-byte reads of 8 rows: 8 different slots). Unpadded, the first version ran 3x
+# slower than the MLX tiles on the H200 (32-way conflicts on every logit read).
 _HEADER = """
 #include <mma.h>
 #define NEG_INF (-__int_as_float(0x7f800000))
+#define S_LD 68
 using namespace nvcuda;
 """ + _EXTRA_HEADER["cuda"] + """
 // a tile of logits: the warp's 16 rows x 64 keys, from its query fragments (registers) and the
-// keys in shared memory ([64][D], row-major: the col-major B of q . k^T), into shared `s`
+// keys in shared memory ([64][D + 8], row-major: the col-major B of q . k^T), into shared `s`
 template <typename T, int D>
 __device__ inline void warp_logits(wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>* a,
                                    const T* keys_tile, float* s, int warp) {
@@ -97,10 +102,10 @@ __device__ inline void warp_logits(wmma::fragment<wmma::matrix_a, 16, 16, 16, T,
     _Pragma("unroll") for (int col = 0; col < 4; ++col) {
         wmma::fill_fragment(c, 0.0f);
         _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
-            wmma::load_matrix_sync(b, keys_tile + col * 16 * D + k * 16, D);
+            wmma::load_matrix_sync(b, keys_tile + col * 16 * (D + 8) + k * 16, D + 8);
             wmma::mma_sync(c, a[k], b, c);
         }
-        wmma::store_matrix_sync(s + warp * 16 * 64 + col * 16, c, 64, wmma::mem_row_major);
+        wmma::store_matrix_sync(s + warp * 16 * S_LD + col * 16, c, S_LD, wmma::mem_row_major);
     }
 }
 // the keys k0 .. k0 + 63 of row r into shared memory, zeros past n: 16-byte loads (a key row of
@@ -110,8 +115,9 @@ __device__ inline void load_keys(const T* keys, T* tile, long r, int k0, int n, 
     constexpr int PER_ROW = D * (int)sizeof(T) / 16;
     const uint4 zero = {0u, 0u, 0u, 0u};
     for (int e = tid; e < 64 * PER_ROW; e += 128) {
-        const int j = k0 + e / PER_ROW;
-        reinterpret_cast<uint4*>(tile)[e] = j < n ? reinterpret_cast<const uint4*>(keys + (r * n + j) * D)[e % PER_ROW] : zero;
+        const int j = e / PER_ROW;
+        reinterpret_cast<uint4*>(tile + j * (D + 8))[e % PER_ROW] =
+            k0 + j < n ? reinterpret_cast<const uint4*>(keys + (r * n + k0 + j) * D)[e % PER_ROW] : zero;
     }
 }
 """
@@ -128,9 +134,9 @@ _QUERY_FRAGMENTS = """
     const unsigned int redraw = (unsigned int)dims[5];
     // wmma wants 32-byte aligned tiles; raw bytes: a __shared__ array of a class type (__half) may
     // not be declared
-    __shared__ __align__(32) unsigned char keys_bytes[64 * D * sizeof(T)];
+    __shared__ __align__(32) unsigned char keys_bytes[64 * (D + 8) * sizeof(T)];
     T* keys_tile = reinterpret_cast<T*>(keys_bytes);
-    __shared__ __align__(32) float s[64 * 64];
+    __shared__ __align__(32) float s[64 * S_LD];
 """
 
 _ROW_LSE_BODY = _QUERY_FRAGMENTS + """
@@ -140,53 +146,69 @@ _ROW_LSE_BODY = _QUERY_FRAGMENTS + """
     _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
         wmma::load_matrix_sync(a[k], q + (r * M_pad + m0 + warp * 16) * D + k * 16, D);
     }
-    // thread t: row t / 2 of the tile, keys (t % 2) * 32 .. + 31 of each key tile
-    const int row = tid / 2;
+    // lane l of warp w: row w * 16 + l % 16 of the tile, keys (l / 16) * 32 .. + 31 of each key tile
+    const int row = warp * 16 + tid % 16;
+    const int half = (tid % 32) / 16;
     const int m = m0 + row;
     const int position = first + min(m, M - 1) / G;
     const int last = first + (min(m0 + 63, M - 1)) / G;  // the tile's last query sees keys 0..last
     // NOISY: this row's (head's, query's) noise stream and temperature
     const unsigned int row_hash = NOISY ? mix32(streams[r * G + min(m, M - 1) % G] ^ (redraw * (position + 1))) : 0u;
     const float tau = NOISY ? taus[position - first] : 1.0f;
+    const float4* my_logits = reinterpret_cast<const float4*>(s + row * S_LD + half * 32);
     float run_max = NEG_INF, run_sum = 0.0f;
     for (int k0 = 0; k0 <= last; k0 += 64) {
         load_keys<T, D>(keys, keys_tile, r, k0, n, tid);
         __syncthreads();
         warp_logits<T, D>(a, keys_tile, s, warp);
-        __syncthreads();
-        for (int c = (tid % 2) * 32; c < (tid % 2) * 32 + 32; ++c) {
-            if (k0 + c > position) break;
-            float x = (float)(T)s[row * 64 + c];  // rounded as the MLX product in T
-            if (NOISY) x = (x + gumbel(row_hash, (unsigned int)(k0 + c))) / tau;
-            if (x > run_max) {
-                run_sum = run_sum * __expf(run_max - x) + 1.0f;
-                run_max = x;
-            } else {
-                run_sum += __expf(x - run_max);
+        __syncwarp();  // a warp reads only its own rows of s
+        // the lane's 32 logits: rounded as the MLX product in T, noised, masked past the position;
+        // their max first, then one rescale of the running sum per tile
+        float x[32];
+        float tile_max = NEG_INF;
+        _Pragma("unroll") for (int c4 = 0; c4 < 8; ++c4) {
+            const float4 v = my_logits[c4];
+            const float four[4] = {v.x, v.y, v.z, v.w};
+            _Pragma("unroll") for (int e = 0; e < 4; ++e) {
+                const int key = k0 + half * 32 + c4 * 4 + e;
+                float value = (float)(T)four[e];
+                if (NOISY) value = (value + gumbel(row_hash, (unsigned int)key)) / tau;
+                x[c4 * 4 + e] = key <= position ? value : NEG_INF;
+                tile_max = fmaxf(tile_max, x[c4 * 4 + e]);
             }
+        }
+        if (tile_max > NEG_INF) {
+            const float top = fmaxf(run_max, tile_max);
+            run_sum *= __expf(run_max - top);  // 0 * 0 while run_max is still -inf
+            _Pragma("unroll") for (int c = 0; c < 32; ++c) run_sum += __expf(x[c] - top);
+            run_max = top;
         }
         __syncthreads();  // the next tile overwrites keys_tile and s
     }
-    // the row's two threads (lanes 2i, 2i + 1) combine
-    const float other_max = __shfl_xor_sync(0xffffffffu, run_max, 1);
-    const float other_sum = __shfl_xor_sync(0xffffffffu, run_sum, 1);
+    // the row's two lanes (l, l + 16) combine
+    const float other_max = __shfl_xor_sync(0xffffffffu, run_max, 16);
+    const float other_sum = __shfl_xor_sync(0xffffffffu, run_sum, 16);
     const float top = fmaxf(run_max, other_max);
     const float total = (run_max == NEG_INF ? 0.0f : run_sum * __expf(run_max - top))
                       + (other_max == NEG_INF ? 0.0f : other_sum * __expf(other_max - top));
-    if (tid % 2 == 0 && m < M) lse[r * M + m] = top + __logf(total);
+    if (half == 0 && m < M) lse[r * M + m] = top + __logf(total);
 """
 
 _COLUMN_SUMS_BODY = _QUERY_FRAGMENTS + """
     const int k0 = blockIdx.x * 64;
     load_keys<T, D>(keys, keys_tile, r, k0, n, tid);
-    // thread t: key t / 2 of the block, rows (t % 2) * 32 .. + 31 of each row tile
-    const int col = tid / 2;
+    // thread t: key t % 64 of the block (a warp: 32 keys side by side), rows (t / 64) * 32 .. + 31
+    // of each row tile
+    const int col = tid % 64;
+    const int half = tid / 64;
     const int key = k0 + col;
     float total = 0.0f;
     // the first row tile with a query that sees key k0 (query positions first + m / G)
     const int m_start = max(0, k0 - first) * G / 64 * 64;
     wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[D / 16];
+    // the tile's rows: lse, the query's position (-1 past M: no key), noise stream and temperature
     __shared__ float row_lse[64];
+    __shared__ int row_position[64];
     __shared__ float row_tau[64];  // NOISY
     __shared__ unsigned int row_hash[64];
     for (int m0 = m_start; m0 < M; m0 += 64) {
@@ -194,28 +216,30 @@ _COLUMN_SUMS_BODY = _QUERY_FRAGMENTS + """
             wmma::load_matrix_sync(a[k], q + (r * M_pad + m0 + warp * 16) * D + k * 16, D);
         }
         __syncthreads();  // keys_tile loaded (first tile); the last tile's s and rows read by all
-        if (tid < 64 && m0 + tid < M) {  // the tile's rows: lse (and noise stream, temperature)
+        if (tid < 64) {
             const int m = m0 + tid;
-            row_lse[tid] = lse[r * M + m];
+            const int position = first + min(m, M - 1) / G;
+            row_position[tid] = m < M ? position : -1;
+            row_lse[tid] = lse[r * M + min(m, M - 1)];
             if (NOISY) {
-                const int position = first + m / G;
-                row_hash[tid] = mix32(streams[r * G + m % G] ^ (redraw * (position + 1)));
+                row_hash[tid] = mix32(streams[r * G + min(m, M - 1) % G] ^ (redraw * (position + 1)));
                 row_tau[tid] = taus[position - first];
             }
         }
         warp_logits<T, D>(a, keys_tile, s, warp);
-        __syncthreads();  // s, and the rows' lse (noise) in shared memory
-        for (int i = (tid % 2) * 32; i < (tid % 2) * 32 + 32; ++i) {
-            const int m = m0 + i;
-            if (m >= M) break;
-            if (key > first + m / G) continue;
-            float x = (float)(T)s[i * 64 + col];
+        __syncthreads();  // s, and the rows in shared memory
+        _Pragma("unroll 8") for (int i = half * 32; i < half * 32 + 32; ++i) {
+            float x = (float)(T)s[i * S_LD + col];
             if (NOISY) x = (x + gumbel(row_hash[i], (unsigned int)key)) / row_tau[i];
-            total += __expf(x - row_lse[i]);
+            if (key <= row_position[i]) total += __expf(x - row_lse[i]);
         }
     }
-    total += __shfl_xor_sync(0xffffffffu, total, 1);
-    if (tid % 2 == 0 && key < n) sums[r * n + key] = total;
+    // each key's two halves of the rows meet
+    __shared__ float other_half[64];
+    __syncthreads();
+    if (half == 1) other_half[col] = total;
+    __syncthreads();
+    if (half == 0 && key < n) sums[r * n + key] = total + other_half[col];
 """
 
 _kernels: dict[str, object] = {}

@@ -162,7 +162,11 @@ def test_gpu_prompt_kernels_equal_the_mlx_tiles(dtype, noise, R, G, L, n, D):
     q, k = q.astype(dtype), k.astype(dtype)
     gumbel = None if noise is None else prompt_kernels.random_noise(R, G, L, noise == "redraw", seed=L)
     got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5, gumbel)
-    tiles = accumulated_attention(q, k, D**-0.5, None if gumbel is None else gumbel.apply, tile=(64, n))
+    def tile_noise(logits, query_positions, key_positions):  # a tile of queries: their own temperatures
+        tau = gumbel.tau[query_positions - (n - L)]
+        return prompt_kernels.PromptNoise(gumbel.streams, gumbel.redraw, tau).apply(logits, query_positions, key_positions)
+
+    tiles = accumulated_attention(q, k, D**-0.5, None if gumbel is None else tile_noise, tile=(64, n))
     assert got.dtype == mx.float32 and got.shape == (R, n)
     np.testing.assert_allclose(np.array(got.sum(axis=1)), G * L, rtol=1e-4)  # every query's probabilities
     dispatch.assert_close(got, tiles, 2e-3 if dtype == mx.float16 else 1e-2, "scores")

@@ -11,11 +11,13 @@ x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200 and K
 (benchmarks/EVICTION_GPU_NOTES.md): the tiles' memory traffic, not their arithmetic, bounds it.
 Here two kernels keep every logit on the chip (FlashAttention's two-pass form, Dao et al. 2022):
 
-1. `row_lse`: one block per 64 query rows; over tiles of 64 keys, the logits q . k from tensor-core
-   products (wmma 16x16x16, float accumulation) go through shared memory to the threads, which keep
-   each row's running max and sum: the row's log-sum-exp lse_m.
-2. `column_sums`: one block per 64 keys; over tiles of 64 query rows that see any of them, the
-   same products, then exp(x_mj - lse_m) summed down each key's column.
+1. `row_lse`: one block per 64 query rows, their fragments in registers; over tiles of 64 keys
+   streamed through shared memory, the logits q . k from tensor-core products (wmma 16x16x16,
+   float accumulation) go through shared memory to the threads, which keep each row's running max
+   and sum: the row's log-sum-exp lse_m.
+2. `column_sums`: one block per 64 keys, their fragments in registers; over tiles of 64 query rows
+   that see any of them, streamed the same way, the products k . q, then exp(x_mj - lse_m) summed
+   along each key's row of the tile.
 
 Each pass is one product per (query row, key) pair on tensor cores and no tile leaves the chip; a
 prefill attention computes the same products once more for its output. The rows are query-major
@@ -24,11 +26,12 @@ causal limit of a tile is tight. The logits are rounded to the model's dtype bef
 as the MLX path's product in that dtype rounds them.
 
 CUDA only (fp16 / bf16: what tensor cores take), head dims 16..128 in steps of 16; Metal and the
-rest run the MLX path. Written after a session's device time ran out: run on the CPU through
-tests/cuda_on_cpu.py (whose wmma stand-in keeps a whole tile per thread, float32 instantiations)
-and compiled for sm_90 by scripts/cuda_compile_check.py (54-78 registers, no spills), not yet run
-on a GPU. Its dispatch self-test guards it (a compile error or a wrong number there: the MLX path
-runs).
+rest run the MLX path. Also run on the CPU by tests/cuda_on_cpu.py (whose wmma stand-in keeps a
+whole tile per thread, float32 instantiations); scripts/cuda_compile_check.py compiles them for
+sm_90. Its dispatch self-test guards it (a compile error or a wrong number there: the MLX path
+runs). Measured on the H200 (benchmarks/prompt_scores_speed.py, EVICTION_GPU_NOTES.md): one layer
+at 32k, 8 KV heads x 4, D 128, fp16, H2O 82 ms against the MLX tiles' 131 (SDPA's causal attention:
+14); Keyformer's noise (a hash and two logarithms per logit, in both passes) doubles it.
 """
 
 from __future__ import annotations
@@ -92,37 +95,38 @@ _HEADER = """
 #define S_LD 68
 using namespace nvcuda;
 """ + _EXTRA_HEADER["cuda"] + """
-// a tile of logits: the warp's 16 rows x 64 keys, from its query fragments (registers) and the
-// keys in shared memory ([64][D + 8], row-major: the col-major B of q . k^T), into shared `s`
+// a tile of logits into shared `s`: the warp's 16 rows of A (fragments in registers: query rows in
+// the row pass, keys in the column pass) times the 64 rows of `tile` in shared memory ([64][D + 8],
+// row-major: the col-major B of a . tile^T)
 template <typename T, int D>
 __device__ inline void warp_logits(wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>* a,
-                                   const T* keys_tile, float* s, int warp) {
+                                   const T* tile, float* s, int warp) {
     wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
     _Pragma("unroll") for (int col = 0; col < 4; ++col) {
         wmma::fill_fragment(c, 0.0f);
         _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
-            wmma::load_matrix_sync(b, keys_tile + col * 16 * (D + 8) + k * 16, D + 8);
+            wmma::load_matrix_sync(b, tile + col * 16 * (D + 8) + k * 16, D + 8);
             wmma::mma_sync(c, a[k], b, c);
         }
         wmma::store_matrix_sync(s + warp * 16 * S_LD + col * 16, c, S_LD, wmma::mem_row_major);
     }
 }
-// the keys k0 .. k0 + 63 of row r into shared memory, zeros past n: 16-byte loads (a key row of
-// D * sizeof(T) bytes is a whole number of them: D is a multiple of 16)
+// rows row0 .. row0 + 63 of a [count, D] matrix into a shared tile [64][D + 8], zeros past count:
+// 16-byte loads (a row of D * sizeof(T) bytes is a whole number of them: D is a multiple of 16)
 template <typename T, int D>
-__device__ inline void load_keys(const T* keys, T* tile, long r, int k0, int n, int tid) {
+__device__ inline void load_rows(const T* matrix, T* tile, int row0, int count, int tid) {
     constexpr int PER_ROW = D * (int)sizeof(T) / 16;
     const uint4 zero = {0u, 0u, 0u, 0u};
     for (int e = tid; e < 64 * PER_ROW; e += 128) {
         const int j = e / PER_ROW;
         reinterpret_cast<uint4*>(tile + j * (D + 8))[e % PER_ROW] =
-            k0 + j < n ? reinterpret_cast<const uint4*>(keys + (r * n + k0 + j) * D)[e % PER_ROW] : zero;
+            row0 + j < count ? reinterpret_cast<const uint4*>(matrix + (long)(row0 + j) * D)[e % PER_ROW] : zero;
     }
 }
 """
 
-_QUERY_FRAGMENTS = """
+_COMMON = """
     const int tid = threadIdx.x;
     const int warp = tid / 32;
     const long r = blockIdx.y;
@@ -132,15 +136,17 @@ _QUERY_FRAGMENTS = """
     const int G = dims[3];
     const int M_pad = dims[4];
     const unsigned int redraw = (unsigned int)dims[5];
-    // wmma wants 32-byte aligned tiles; raw bytes: a __shared__ array of a class type (__half) may
-    // not be declared
-    __shared__ __align__(32) unsigned char keys_bytes[64 * (D + 8) * sizeof(T)];
-    T* keys_tile = reinterpret_cast<T*>(keys_bytes);
+    // 64 rows of keys (the row pass; the column pass: its keys once, then query rows); wmma wants
+    // 32-byte aligned tiles; raw bytes: a __shared__ array of a class type (__half) may not be declared
+    __shared__ __align__(32) unsigned char tile_bytes[64 * (D + 8) * sizeof(T)];
+    T* tile = reinterpret_cast<T*>(tile_bytes);
     __shared__ __align__(32) float s[64 * S_LD];
 """
 
-_ROW_LSE_BODY = _QUERY_FRAGMENTS + """
-    const int m0 = blockIdx.x * 64;
+_ROW_LSE_BODY = _COMMON + """
+    // the last rows first: they see the most keys, and the blocks start in this order (a short
+    // block last fills the tail)
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * 64;
     // this warp's 16 query rows as tensor-core fragments, kept in registers for every key tile
     wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[D / 16];
     _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
@@ -158,9 +164,9 @@ _ROW_LSE_BODY = _QUERY_FRAGMENTS + """
     const float4* my_logits = reinterpret_cast<const float4*>(s + row * S_LD + half * 32);
     float run_max = NEG_INF, run_sum = 0.0f;
     for (int k0 = 0; k0 <= last; k0 += 64) {
-        load_keys<T, D>(keys, keys_tile, r, k0, n, tid);
+        load_rows<T, D>(keys + r * n * D, tile, k0, n, tid);
         __syncthreads();
-        warp_logits<T, D>(a, keys_tile, s, warp);
+        warp_logits<T, D>(a, tile, s, warp);
         __syncwarp();  // a warp reads only its own rows of s
         // the lane's 32 logits: rounded as the MLX product in T, noised, masked past the position;
         // their max first, then one rescale of the running sum per tile
@@ -183,7 +189,7 @@ _ROW_LSE_BODY = _QUERY_FRAGMENTS + """
             _Pragma("unroll") for (int c = 0; c < 32; ++c) run_sum += __expf(x[c] - top);
             run_max = top;
         }
-        __syncthreads();  // the next tile overwrites keys_tile and s
+        __syncthreads();  // the next tile overwrites tile and s
     }
     // the row's two lanes (l, l + 16) combine
     const float other_max = __shfl_xor_sync(0xffffffffu, run_max, 16);
@@ -194,28 +200,32 @@ _ROW_LSE_BODY = _QUERY_FRAGMENTS + """
     if (half == 0 && m < M) lse[r * M + m] = top + __logf(total);
 """
 
-_COLUMN_SUMS_BODY = _QUERY_FRAGMENTS + """
+_COLUMN_SUMS_BODY = _COMMON + """
     const int k0 = blockIdx.x * 64;
-    load_keys<T, D>(keys, keys_tile, r, k0, n, tid);
-    // thread t: key t % 64 of the block (a warp: 32 keys side by side), rows (t / 64) * 32 .. + 31
-    // of each row tile
-    const int col = tid % 64;
-    const int half = tid / 64;
-    const int key = k0 + col;
+    // the block's 64 keys through shared memory into registers: this warp's 16 as the A of
+    // k . q^T (so the query rows stream through shared memory as the row pass streams keys)
+    load_rows<T, D>(keys + r * n * D, tile, k0, n, tid);
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[D / 16];
+    _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
+        wmma::load_matrix_sync(a[k], tile + warp * 16 * (D + 8) + k * 16, D + 8);
+    }
+    // lane l of warp w: key w * 16 + l % 16 of the block, rows (l / 16) * 32 .. + 31 of each row tile
+    const int key_in_block = warp * 16 + tid % 16;
+    const int half = (tid % 32) / 16;
+    const int key = k0 + key_in_block;
+    const float4* my_logits = reinterpret_cast<const float4*>(s + key_in_block * S_LD + half * 32);
     float total = 0.0f;
     // the first row tile with a query that sees key k0 (query positions first + m / G)
     const int m_start = max(0, k0 - first) * G / 64 * 64;
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[D / 16];
     // the tile's rows: lse, the query's position (-1 past M: no key), noise stream and temperature
     __shared__ float row_lse[64];
     __shared__ int row_position[64];
     __shared__ float row_tau[64];  // NOISY
     __shared__ unsigned int row_hash[64];
     for (int m0 = m_start; m0 < M; m0 += 64) {
-        _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
-            wmma::load_matrix_sync(a[k], q + (r * M_pad + m0 + warp * 16) * D + k * 16, D);
-        }
-        __syncthreads();  // keys_tile loaded (first tile); the last tile's s and rows read by all
+        __syncthreads();  // the tile before (keys, then query rows) and its rows read by all
+        load_rows<T, D>(q + r * M_pad * D, tile, m0, M_pad, tid);
         if (tid < 64) {
             const int m = m0 + tid;
             const int position = first + min(m, M - 1) / G;
@@ -226,20 +236,23 @@ _COLUMN_SUMS_BODY = _QUERY_FRAGMENTS + """
                 row_tau[tid] = taus[position - first];
             }
         }
-        warp_logits<T, D>(a, keys_tile, s, warp);
-        __syncthreads();  // s, and the rows in shared memory
-        _Pragma("unroll 8") for (int i = half * 32; i < half * 32 + 32; ++i) {
-            float x = (float)(T)s[i * S_LD + col];
-            if (NOISY) x = (x + gumbel(row_hash[i], (unsigned int)key)) / row_tau[i];
-            if (key <= row_position[i]) total += __expf(x - row_lse[i]);
+        __syncthreads();
+        warp_logits<T, D>(a, tile, s, warp);  // s[key][row] = k . q
+        __syncwarp();  // a warp reads only its own keys' rows of s
+        _Pragma("unroll") for (int c4 = 0; c4 < 8; ++c4) {
+            const float4 v = my_logits[c4];
+            const float four[4] = {v.x, v.y, v.z, v.w};
+            _Pragma("unroll") for (int e = 0; e < 4; ++e) {
+                const int i = half * 32 + c4 * 4 + e;
+                float x = (float)(T)four[e];  // rounded as the MLX product in T
+                if (NOISY) x = (x + gumbel(row_hash[i], (unsigned int)key)) / row_tau[i];
+                if (key <= row_position[i]) total += __expf(x - row_lse[i]);
+            }
         }
     }
-    // each key's two halves of the rows meet
-    __shared__ float other_half[64];
-    __syncthreads();
-    if (half == 1) other_half[col] = total;
-    __syncthreads();
-    if (half == 0 && key < n) sums[r * n + key] = total + other_half[col];
+    // the key's two lanes (l, l + 16) combine
+    total += __shfl_xor_sync(0xffffffffu, total, 16);
+    if (half == 0 && key < n) sums[r * n + key] = total;
 """
 
 _kernels: dict[str, object] = {}

@@ -185,8 +185,8 @@ def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D, noise)
 
 @pytest.mark.parametrize("body, wrong", [
     ("_ROW_LSE_BODY", ("key <= position ?", "key < position ?")),  # the diagonal left out of a row's softmax
-    ("_COLUMN_SUMS_BODY", ("x = (x + gumbel(row_hash[i], (unsigned int)key)) / row_tau[i]",  # no noise in pass 2
-                           "x = x / row_tau[i]")),
+    ("_COLUMN_SUMS_BODY", ("x = (x + gumbel_fast(row_hash[i], (unsigned int)key)) * row_inv_tau[i]",  # no noise in pass 2
+                           "x = x * row_inv_tau[i]")),
 ])
 def test_the_prompt_scores_check_catches_a_wrong_kernel(emulated_cuda, monkeypatch, body, wrong):
     assert wrong[0] in getattr(prompt_kernels, body)

@@ -2,7 +2,7 @@
 # One device call on the lent H200: the GPU tests, then the KIVI kernel benchmarks, then the
 # end-to-end decode benchmark; every log also goes to $OUT (default ./gpu-logs).
 # Usage (device, after the mlx CUDA install of ../shared/gpu/README.md):
-#   bash benchmarks/kivi_gpu_check.sh [tests] [attn] [decode] [bandwidth] [step] [scored] [prompt] [buffers] [e2e | e2e-kivi]
+#   bash benchmarks/kivi_gpu_check.sh [tests] [attn] [decode] [bandwidth] [step] [scored] [prompt] [passes] [host] [buffers] [e2e | e2e-kivi]
 # (default: tests attn decode bandwidth e2e)
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -37,6 +37,10 @@ for part in $parts; do
     prompt)  # H2O's and Keyformer's prompt scoring: the tensor-core kernels against the MLX tiles
       python3 benchmarks/prompt_scores_speed.py --tokens 8192 32768 --dtype float16 --cache --against tiles \
         2>&1 | tee "$out/prompt_scores.log" ;;
+    passes)  # the prompt kernels' two passes apart, plain and with Keyformer's noise
+      python3 benchmarks/prompt_passes_speed.py 2>&1 | tee "$out/prompt_passes.log" ;;
+    host)  # a decode step's host phases (build, submit, wait) per cache, 32k
+      python3 benchmarks/host_time.py 2>&1 | tee "$out/host_time.log" ;;
     buffers)  # do the caches' key buffers stay in place, sync and pipelined?
       python3 benchmarks/buffers_in_place.py 2>&1 | tee "$out/buffers.log" ;;
     e2e)

@@ -29,9 +29,9 @@ CUDA only (fp16 / bf16: what tensor cores take), head dims 16..128 in steps of 1
 rest run the MLX path. Also run on the CPU by tests/cuda_on_cpu.py (whose wmma stand-in keeps a
 whole tile per thread, float32 instantiations); scripts/cuda_compile_check.py compiles them for
 sm_90. Its dispatch self-test guards it (a compile error or a wrong number there: the MLX path
-runs). Measured on the H200 (benchmarks/prompt_scores_speed.py, EVICTION_GPU_NOTES.md): one layer
-at 32k, 8 KV heads x 4, D 128, fp16, H2O 82 ms against the MLX tiles' 131 (SDPA's causal attention:
-14); Keyformer's noise (a hash and two logarithms per logit, in both passes) doubles it.
+runs). Measured on the H200 (benchmarks/EVICTION_GPU_NOTES.md): one layer at 32k, 8 KV heads x
+4, D 128, fp16, the two passes 25 + 36 ms for H2O (the MLX tiles: 131; SDPA's causal attention over
+the same prompt: 14) and 48 + 53 ms with Keyformer's noise.
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""The prompt-scoring kernels' two passes timed apart (kvcompress/kernels/prompt_scores.py): each
+row's log-sum-exp, then each key's column sums, plain (H2O) and with Keyformer's noise, for one layer
+of 8 KV heads x 4 query heads, D 128, fp16, a whole prompt of each length. CUDA only.
+
+    python benchmarks/prompt_passes_speed.py [--tokens 8192 32768] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvcompress  # noqa: E402,F401  (BLAS preload before mlx)
+import mlx.core as mx  # noqa: E402
+from kvcompress.kernels import dispatch  # noqa: E402
+from kvcompress.kernels import prompt_scores as kernels  # noqa: E402
+
+R, G, D = 8, 4, 128
+
+
+def passes(n: int, noisy: bool):
+    """The two launches of `accumulated_attention_fused` for a whole prompt of n tokens, apart."""
+    queries, keys = kernels.random_case(R, G, n, n, D, mx.float16, seed=1)
+    noise = kernels.random_noise(R, G, n, True, seed=2) if noisy else None
+    M = G * n  # a multiple of the 64-row tile for these shapes: no padding rows
+    q = (queries * D**-0.5).astype(keys.dtype).transpose(0, 2, 1, 3).reshape(R, M, D)
+    dims = dispatch.constant((M, n, 0, G, M, 1), mx.int32)
+    streams = noise.streams if noisy else dispatch.constant((0,), mx.uint32)
+    taus = noise.tau if noisy else dispatch.constant((1.0,), mx.float32)
+    template = [("T", keys.dtype), ("D", D), ("NOISY", noisy)]
+
+    def row_lse():
+        return kernels._kernel("row_lse")(inputs=[q, keys, dims, streams, taus], template=template,
+                                          grid=(M // kernels.ROWS * kernels.THREADS, R, 1),
+                                          threadgroup=(kernels.THREADS, 1, 1), output_shapes=[(R, M)],
+                                          output_dtypes=[mx.float32])[0]
+
+    lse = row_lse()
+    mx.eval(lse)
+
+    def column_sums():
+        return kernels._kernel("column_sums")(inputs=[q, keys, dims, streams, taus, lse], template=template,
+                                              grid=(n // kernels.KEYS * kernels.THREADS, R, 1),
+                                              threadgroup=(kernels.THREADS, 1, 1), output_shapes=[(R, n)],
+                                              output_dtypes=[mx.float32])[0]
+
+    return row_lse, column_sums
+
+
+def median_ms(f, reps: int) -> float:
+    mx.eval(f())
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        mx.eval(f())
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    if dispatch.gpu_backend() != "cuda":
+        sys.exit("prompt_passes_speed: the kernels run on CUDA only")
+    print(f"mlx {mx.__version__} {mx.default_device()}; {R} KV heads x {G}, D {D}, float16; median of {args.reps}")
+    print("| tokens | noise | pass | ms | G logits/s |")
+    print("|---|---|---|---|---|")
+    for n in args.tokens:
+        for noisy in (False, True):
+            for name, f in zip(("row_lse", "column_sums"), passes(n, noisy)):
+                ms = median_ms(f, args.reps)
+                logits = R * G * n * n / 2  # the causal half
+                print(f"| {n} | {'keyformer' if noisy else 'none'} | {name} | {ms:.1f} | {logits / ms / 1e6:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

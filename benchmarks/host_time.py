@@ -45,34 +45,30 @@ def graph_size(out: mx.array) -> tuple[int, int]:
     return len(names), sum(name not in VIEWS for name in names)
 
 
-def phases(model, caches, token, steps):
-    build, submit, wait, wall = [], [], [], []
-    y = step(model, caches, token)
-    mx.async_eval(y)
+def timed_steps(model, caches, token, steps: int, pipelined: bool):
+    """Medians (ms) of each step's phases: pipelined (as mlx_lm.generate: the next step built and
+    submitted before this one is waited for) build, submit, wait and the step's wall time; else
+    build and eval."""
+    rows = []
+    y = token
+    if pipelined:
+        y = step(model, caches, token)
+        mx.async_eval(y)
     for _ in range(steps):
-        t0 = time.perf_counter()
-        next_y = step(model, caches, y)
-        t1 = time.perf_counter()
-        mx.async_eval(next_y)
-        t2 = time.perf_counter()
-        y.item()
-        t3 = time.perf_counter()
-        build.append(t1 - t0), submit.append(t2 - t1), wait.append(t3 - t2), wall.append(t3 - t0)
-        y = next_y
+        marks = [time.perf_counter()]
+        following = step(model, caches, y)
+        marks.append(time.perf_counter())
+        if pipelined:
+            mx.async_eval(following)
+            marks.append(time.perf_counter())
+            y.item()
+        else:
+            mx.eval(following)
+        marks.append(time.perf_counter())
+        rows.append([b - a for a, b in zip(marks, marks[1:])] + ([marks[-1] - marks[0]] if pipelined else []))
+        y = following
     y.item()
-    return [1e3 * statistics.median(v) for v in (build, submit, wait, wall)], y
-
-
-def sync_phases(model, caches, token, steps):
-    build, run = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        token = step(model, caches, token)
-        t1 = time.perf_counter()
-        mx.eval(token)
-        t2 = time.perf_counter()
-        build.append(t1 - t0), run.append(t2 - t1)
-    return [1e3 * statistics.median(v) for v in (build, run)], token
+    return [1e3 * statistics.median(column) for column in zip(*rows)], y
 
 
 def main():
@@ -91,9 +87,9 @@ def main():
         caches = kvcompress.make_cache(model, method, **params)
         logits, _ = prefill(model, caches, prompt)
         y = mx.argmax(logits[0, -1])
-        _, y = phases(model, caches, y, 4)  # warm-up (kernels compiled, dispatch decided)
-        (build, submit, wait, wall), y = phases(model, caches, y, args.steps)
-        (s_build, s_eval), y = sync_phases(model, caches, y, args.steps)
+        _, y = timed_steps(model, caches, y, 4, True)  # warm-up (kernels compiled, dispatch decided)
+        (build, submit, wait, wall), y = timed_steps(model, caches, y, args.steps, True)
+        (s_build, s_eval), y = timed_steps(model, caches, y, args.steps, False)
         operations, kernels = graph_size(step(model, caches, y))
         label = method + "".join(f" {k}={v}" for k, v in params.items())
         print(f"| {label} | {build:.2f} | {submit:.2f} | {wait:.2f} | {wall:.2f} | {s_build:.2f} | {s_eval:.2f} | {operations} ({kernels}) |",

@@ -195,6 +195,26 @@ def test_the_prompt_scores_check_catches_a_wrong_kernel(emulated_cuda, monkeypat
         test_prompt_scores_run_as_the_reference(None, 2, 3, 40, 70, 32, "redraw")
 
 
+def test_prompt_kernels_draw_keyformers_noise(emulated_cuda):
+    """`gumbel_fast` (the prompt kernels' draw: log2, and a series for -log(u) near u = 1) against
+    the counter hash's exact draw, frozen noise of 8 streams x 4096 key positions. The emulator's
+    log2 is exact, so this checks everything but the hardware's lg2 error (~1e-7, the GPU tests'):
+    the hash, u, the branch and the series, which ~0.2% of draws take (g > 6.2 here)."""
+    from kvcompress.methods.counter_hash import gumbel_noise_from_streams, noise_streams
+
+    streams = noise_streams(0, 3, mx.arange(8, dtype=mx.uint32).reshape(8, 1))
+    draw = mx.fast.cuda_kernel(name="draw", input_names=["streams"], output_names=["out"], header=prompt_kernels._HEADER,
+                               source="""
+        const unsigned int row_hash = mix32(streams[blockIdx.y]);  // frozen: the kernels' hash at redraw = 0
+        for (int j = threadIdx.x; j < 4096; j += blockDim.x) out[blockIdx.y * 4096 + j] = gumbel_fast(row_hash, j);
+    """)
+    (got,) = draw(inputs=[streams], grid=(64, 8, 1), threadgroup=(64, 1, 1), output_shapes=[(8, 4096)],
+                  output_dtypes=[mx.float32])
+    want = np.array(gumbel_noise_from_streams(streams, None, mx.arange(4096, dtype=mx.int32)[None], fused=False))[:, 0, 0]
+    assert (want > 6.2).sum() >= 20  # the series branch ran (v < 2^-9: -log(v) > 6.24)
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=2e-6)
+
+
 # -- the dispatch's self-tests, and a cache taking the kernels ------------------------------------------
 
 def test_every_self_test_passes_its_kernel(emulated_cuda):

@@ -26,7 +26,7 @@ R, G, D = 8, 4, 128
 def passes(n: int, noisy: bool):
     """The two launches of `accumulated_attention_fused` for a whole prompt of n tokens, apart."""
     queries, keys = kernels.random_case(R, G, n, n, D, mx.float16, seed=1)
-    noise = kernels.random_noise(R, G, n, True, seed=2) if noisy else None
+    noise = kernels.random_noise(R, G, n, n, True, seed=2) if noisy else None
     M = G * n  # a multiple of the 64-row tile for these shapes: no padding rows
     q = (queries * D**-0.5).astype(keys.dtype).transpose(0, 2, 1, 3).reshape(R, M, D)
     dims = dispatch.constant((M, n, 0, G, M, 1), mx.int32)

@@ -177,7 +177,7 @@ def test_evict_slot_is_bit_exact(emulated_cuda):
 ])
 def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D, noise):
     q, k = prompt_kernels.random_case(R, G, L, n, D, mx.float32, seed=n)
-    gumbel = None if noise is None else prompt_kernels.random_noise(R, G, L, noise == "redraw", seed=L)
+    gumbel = None if noise is None else prompt_kernels.random_noise(R, G, L, n, noise == "redraw", seed=L)
     got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5, gumbel)
     assert_close(got, prompt_kernels.accumulated_attention_reference(q, k, D**-0.5, gumbel), "scores", atol=1e-5)
     np.testing.assert_allclose(np.array(got.sum(axis=1)), G * L, rtol=1e-5)  # each query's probabilities sum to 1

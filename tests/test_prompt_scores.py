@@ -160,13 +160,9 @@ def test_gpu_prompt_kernels_equal_the_mlx_tiles(dtype, noise, R, G, L, n, D):
     the dtype, in other summation orders."""
     q, k = _inputs(R, G, L, n, D, 11)
     q, k = q.astype(dtype), k.astype(dtype)
-    gumbel = None if noise is None else prompt_kernels.random_noise(R, G, L, noise == "redraw", seed=L)
+    gumbel = None if noise is None else prompt_kernels.random_noise(R, G, L, n, noise == "redraw", seed=L)
     got = prompt_kernels.accumulated_attention_fused(q, k, D**-0.5, gumbel)
-    def tile_noise(logits, query_positions, key_positions):  # a tile of queries: their own temperatures
-        tau = gumbel.tau[query_positions - (n - L)]
-        return prompt_kernels.PromptNoise(gumbel.streams, gumbel.redraw, tau).apply(logits, query_positions, key_positions)
-
-    tiles = accumulated_attention(q, k, D**-0.5, None if gumbel is None else tile_noise, tile=(64, n))
+    tiles = accumulated_attention(q, k, D**-0.5, None if gumbel is None else gumbel.apply, tile=(64, n))
     assert got.dtype == mx.float32 and got.shape == (R, n)
     np.testing.assert_allclose(np.array(got.sum(axis=1)), G * L, rtol=1e-4)  # every query's probabilities
     dispatch.assert_close(got, tiles, 2e-3 if dtype == mx.float16 else 1e-2, "scores")
@@ -195,7 +191,7 @@ def test_keyformer_hands_the_kernels_its_own_transform(params):
 
     cfg = method_config("keyformer", budget=64, **params)
     cache = EvictionCache(cfg, 2, 4, 2, 32, None, 32**-0.5)
-    cache.position = 100  # the prompt so far; prompt_len unset: still prefilling
+    cache.position = cache.length = 100  # the prompt so far, all kept; prompt_len unset: still prefilling
     q, k = _inputs(2, 3, 40, 100, 32, 13)
     noise = cfg.prompt_kernel_noise(cache, 2, 3, 40)
 
@@ -206,3 +202,16 @@ def test_keyformer_hands_the_kernels_its_own_transform(params):
     np.testing.assert_allclose(np.array(prompt_kernels.accumulated_attention_reference(q, k, 32**-0.5, noise)),
                                np.array(want), rtol=1e-5, atol=1e-6)
     assert method_config("keyformer", budget=64, score="proxy").prompt_kernel_noise(cache, 2, 3, 40) is None
+
+
+@pytest.mark.parametrize("redraw", [True, False])
+def test_prompt_noise_is_a_tile_transform(redraw):
+    """`PromptNoise.apply` in the MLX tiles (tiles of 7 queries: each takes its own temperatures)
+    equals the kernels' reference with the same noise, a later chunk (queries 50..79 of 80)."""
+    q, k = _inputs(2, 3, 30, 80, 16, 14)
+    noise = prompt_kernels.random_noise(2, 3, 30, 80, redraw, seed=4)
+    tiled = accumulated_attention(q, k, 0.25, noise.apply, tile=(7, 16))
+    np.testing.assert_allclose(np.array(tiled), np.array(prompt_kernels.accumulated_attention_reference(q, k, 0.25, noise)),
+                               rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="noise.first"):  # noise for other positions: refused before any launch
+        prompt_kernels.accumulated_attention_fused(q, k, 0.25, noise._replace(first=0))

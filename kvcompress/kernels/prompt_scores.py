@@ -57,12 +57,13 @@ class PromptNoise(NamedTuple):
     streams: mx.array  # [R, G] uint32 noise streams of the query heads (counter_hash.noise_streams)
     redraw: bool  # a draw per query position (else the frozen noise: one per key)
     tau: mx.array  # [L] float32, each query's temperature
+    first: int  # the first query's position (n - L: tau[i] is query first + i's)
 
     def apply(self, logits: mx.array, query_positions: mx.array, key_positions: mx.array) -> mx.array:
-        """logits [R, G, L, n] -> (logits + zeta) / tau in MLX ops (as Keyformer.transform); the
-        transform of methods/prompt_scores.py's tiles."""
+        """logits [R, G, l, k] of queries and keys at these positions -> (logits + zeta) / tau in MLX
+        ops (as Keyformer.transform): the transform of methods/prompt_scores.py's tiles too."""
         zeta = gumbel_noise_from_streams(self.streams, query_positions if self.redraw else None, key_positions[None])
-        return (logits + zeta) / self.tau[:, None]
+        return (logits + zeta) / self.tau[query_positions - self.first][:, None]
 
 
 def accumulated_attention_reference(queries: mx.array, keys: mx.array, scale: float,
@@ -299,6 +300,8 @@ def accumulated_attention_fused(queries: mx.array, keys: mx.array, scale: float,
     q = (queries * scale).astype(keys.dtype).transpose(0, 2, 1, 3).reshape(R, M, D)
     if M_pad > M:
         q = mx.concatenate([q, mx.zeros((R, M_pad - M, D), q.dtype)], axis=1)
+    if noise is not None and noise.first != n - L:
+        raise ValueError(f"prompt_scores: noise.first is {noise.first}, the queries start at {n - L} (n - L)")
     redraw = noise is not None and noise.redraw
     dims = dispatch.constant((M, n, n - L, G, M_pad, int(redraw)), mx.int32)
     streams = noise.streams if noise is not None else dispatch.constant((0,), mx.uint32)  # placeholders: not read
@@ -321,10 +324,11 @@ def random_case(R: int, G: int, L: int, n: int, D: int, dtype, seed: int = 0):
     return mx.random.normal((R, G, L, D), key=k1).astype(dtype), (2 * mx.random.normal((R, n, D), key=k2)).astype(dtype)
 
 
-def random_noise(R: int, G: int, L: int, redraw: bool = True, seed: int = 0) -> PromptNoise:
-    """Keyformer-like noise: layer `seed`'s streams, temperatures between 0.5 and 2."""
+def random_noise(R: int, G: int, L: int, n: int, redraw: bool = True, seed: int = 0) -> PromptNoise:
+    """Keyformer-like noise for L queries at the last of n positions: layer `seed`'s streams,
+    temperatures between 0.5 and 2."""
     tau = mx.random.uniform(0.5, 2.0, (L,), key=mx.random.key(seed))
-    return PromptNoise(noise_streams(seed, 3, mx.arange(R * G, dtype=mx.uint32).reshape(R, G)), redraw, tau)
+    return PromptNoise(noise_streams(seed, 3, mx.arange(R * G, dtype=mx.uint32).reshape(R, G)), redraw, tau, n - L)
 
 
 def _selftest(backend: str, dtype, variant: tuple) -> None:
@@ -332,7 +336,7 @@ def _selftest(backend: str, dtype, variant: tuple) -> None:
     if backend != "cuda":
         raise NotImplementedError("prompt_scores kernels: CUDA only")
     queries, keys = random_case(2, 3, 150, 200, D, dtype, seed=1)
-    noise = random_noise(2, 3, 150, seed=2) if noisy else None
+    noise = random_noise(2, 3, 150, 200, seed=2) if noisy else None
     got = accumulated_attention_fused(queries, keys, D**-0.5, noise)
     with mx.stream(mx.cpu):  # the same roundings (queries and logits in the dtype), float32 sums
         want = accumulated_attention_reference(queries, keys, D**-0.5, noise)

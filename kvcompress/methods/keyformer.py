@@ -125,8 +125,9 @@ class Keyformer(Eviction):
             return None
         query_positions = mx.arange(cache.position - queries, cache.position, dtype=mx.int32)
         tau = mx.array(self._tau_at(cache, query_positions), mx.float32).reshape(-1)  # [L, 1] (or one float)
+        # the queries are the last of the cache's kept keys (the prompt scores' own positions)
         return PromptNoise(_streams(self.seed, cache.layer, rows, group), self.noise != "frozen",
-                           mx.broadcast_to(tau, (queries,)))
+                           mx.broadcast_to(tau, (queries,)), cache.length - queries)
 
     def kernel_noise(self, cache, rows, group):
         if self.score == "proxy":

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvcompress  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from kivi_e2e import llama8b_shaped, prefill, step  # noqa: E402
+from kivi_e2e import greedy, llama8b_shaped, prefill, step  # noqa: E402
 
 CACHES = (("full", {}), ("streaming", {"budget": 0.5}), ("h2o", {"budget": 0.5}), ("tova", {"budget": 0.5}),
           ("keyformer", {"budget": 0.5}))
@@ -42,7 +42,7 @@ def main():
     for method, params in CACHES:
         caches = kvcompress.make_cache(model, method, **params)
         logits, _ = prefill(model, caches, prompt)
-        y = mx.argmax(logits[0, -1])
+        y = greedy(logits)
         first = caches[0]
         for mode in ("sync", "pipelined"):
             seen = []

@@ -1,7 +1,8 @@
 """End-to-end decode speed of every cache through the drop-in API, on a GPU (the lent H200).
 
 A random-weight mlx-lm Llama with the Llama-3.1-8B shape (hidden 4096, 32 heads, 8 KV heads, head_dim
-128, intermediate 14336, vocab 128256; speed does not depend on the weights' values), fp16, batch 1.
+128, intermediate 14336, vocab 128256; speed does not depend on the weights' values), fp16, batch 1
+(`--batch B`: B different prompts of the same length decoded together; tok/s counts all B).
 Each cache comes from `kvcompress.make_cache(model, method, ...)`: the classes the sweep uses. The
 prompt is prefilled in 2048-token chunks (mlx-lm's default) into every cache, each decodes
 `--warmup` greedy steps, and then in each of `--rounds` rounds every cache in turn (the order
@@ -73,19 +74,28 @@ def llama8b_shaped(layers: int, tiny: bool = False):
 
 
 def prefill(model, caches, prompt, chunk=2048) -> tuple[mx.array, float]:
+    """prompt: token ids [T] or [B, T]; returns (logits of the last position [B, 1, vocab], seconds)."""
+    prompt = mx.array(prompt)
+    prompt = prompt[None] if prompt.ndim == 1 else prompt  # [B, T]
+    T = prompt.shape[1]
     mx.synchronize()
     start = time.perf_counter()
-    for i in range(0, len(prompt) - 1, chunk):
-        model(mx.array(prompt[i : min(i + chunk, len(prompt) - 1)])[None], cache=caches)
+    for i in range(0, T - 1, chunk):
+        model(prompt[:, i : min(i + chunk, T - 1)], cache=caches)
         mx.eval([c.state for c in caches])
-    logits = model(mx.array(prompt[-1:])[None], cache=caches)
+    logits = model(prompt[:, -1:], cache=caches)
     mx.eval(logits)
     mx.synchronize()
     return logits, time.perf_counter() - start
 
 
+def greedy(logits):
+    """[B, S, vocab] -> the next token of each sequence [B]."""
+    return mx.argmax(logits[:, -1], axis=-1)
+
+
 def step(model, caches, token):
-    return mx.argmax(model(token.reshape(1, 1), cache=caches)[0, -1])
+    return greedy(model(token.reshape(-1, 1), cache=caches))
 
 
 def decode_sync(model, caches, token, steps, warmup):
@@ -94,9 +104,9 @@ def decode_sync(model, caches, token, steps, warmup):
     times, build = [], []
     for s in range(warmup + steps):
         t0 = time.perf_counter()
-        logits = model(token.reshape(1, 1), cache=caches)
+        logits = model(token.reshape(-1, 1), cache=caches)
         t1 = time.perf_counter()
-        token = mx.argmax(logits[0, -1])
+        token = greedy(logits)
         mx.eval(token)
         if s >= warmup:
             times.append(1e3 * (time.perf_counter() - t0))
@@ -112,9 +122,9 @@ def decode_pipelined(model, caches, token, steps):
     for _ in range(steps):
         next_y = step(model, caches, y)
         mx.async_eval(next_y)
-        y.item()
+        y.tolist()
         y = next_y
-    y.item()
+    y.tolist()
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
@@ -123,26 +133,26 @@ def make_caches(model, method, params, classes=None):
     return caches if classes is None or method == "full" else [rebuilt(c, classes) for c in caches]
 
 
-def prepare(model, label, method, params, T, warmup, classes=None) -> dict:
-    """One cache prefilled with the T-token prompt and decoded `warmup` steps, kept for the rounds."""
+def prepare(model, label, method, params, T, warmup, classes=None, batch=1) -> dict:
+    """One cache prefilled with `batch` T-token prompts and decoded `warmup` steps, kept for the rounds."""
     # a throw-away run of this cache first: kernels compile and self-test outside the timings
     warm = make_caches(model, method, params, classes)
     logits, _ = prefill(model, warm, list(range(2100)))
-    decode_sync(model, warm, mx.argmax(logits[0, -1]), 2, 0)
+    decode_sync(model, warm, greedy(logits), 2, 0)
     del warm, logits
     gc.collect()
     caches = make_caches(model, method, params, classes)
     vocab = model.args.vocab_size
-    prompt = [int(t) for t in mx.random.randint(0, vocab, (T,), key=mx.random.key(T)).tolist()]
+    prompt = mx.random.randint(0, vocab, (batch, T), key=mx.random.key(T))
     dispatch.reset_paths()
     resident = mx.get_active_memory()  # the weights and the caches prepared before this one
     mx.reset_peak_memory()
     logits, prefill_s = prefill(model, caches, prompt)
     peak = mx.get_peak_memory() - resident + weight_bytes(model)  # as if this cache were alone
     kv_mib = live_kv_bytes(caches) / 2**20
-    _, _, token = decode_sync(model, caches, mx.argmax(logits[0, -1]), 1, warmup)
+    _, _, token = decode_sync(model, caches, greedy(logits), 1, warmup)
     paths = ",".join(f"{k.split('/')[0]}={v}" for k, v in dispatch.paths_used().items()) or "-"
-    return dict(label=label, T=T, caches=caches, token=token, kv_mib=kv_mib, prefill_s=prefill_s,
+    return dict(label=label, T=T, batch=batch, caches=caches, token=token, kv_mib=kv_mib, prefill_s=prefill_s,
                 peak_gib=peak / 2**30, paths=paths, ms=[], build_ms=[], pipelined_ms=[])
 
 
@@ -172,6 +182,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoded together (tok/s counts all)")
     parser.add_argument("--steps", type=int, default=8, help="decode steps per cache per round (each way)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over every cache, taking turns")
     parser.add_argument("--warmup", type=int, default=4)
@@ -185,7 +196,8 @@ def main():
         parser.error("--caches must include full (every ratio is against it)")
     classes = classes_at(args.against) if args.against else None
     shape = "a tiny Llama" if args.tiny else "Llama-3.1-8B shape"
-    print("mlx", mx.__version__, mx.default_device(), f"{args.layers} layers, {shape}, fp16", flush=True)
+    print("mlx", mx.__version__, mx.default_device(), f"{args.layers} layers, {shape}, fp16, batch {args.batch}",
+          flush=True)
     model = llama8b_shaped(args.layers, args.tiny)
     print(f"weights {weight_bytes(model) / 2**30:.1f} GiB", flush=True)
     prefill(model, kvcompress.make_cache(model, "full"), list(range(2100)))  # JIT warm-up, not timed
@@ -201,7 +213,7 @@ def main():
             method, params = CACHES[label]
             t = time.time()
             try:
-                run = prepare(model, label, method, params, T, args.warmup, classes if revision else None)
+                run = prepare(model, label, method, params, T, args.warmup, classes if revision else None, args.batch)
             except Exception as exc:  # report and go on: one device call should bring back every row it can
                 print(f"FAILED {label} @ {T}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 gc.collect()
@@ -235,7 +247,7 @@ def main():
           "| pipelined x full | KV MiB | prefill s | x full prefill | peak GiB | kernels |\n|" + "---|" * 13)
     for r in rows:
         ms, build, pipelined = (statistics.median(r[k]) for k in ("ms", "build_ms", "pipelined_ms"))
-        print(f"| {r['label']} | {r['T']} | {ms:.2f} | {build:.2f} | {pipelined:.2f} | {1e3 / ms:.1f} | "
+        print(f"| {r['label']} | {r['T']} | {ms:.2f} | {build:.2f} | {pipelined:.2f} | {r['batch'] * 1e3 / ms:.1f} | "
               f"{spread(r['x_full'])} | {spread(r['x_full_pipelined'])} | {r['kv_mib']:.0f} | {r['prefill_s']:.2f} | "
               f"{r['x_full_prefill']:.2f} | {r['peak_gib']:.1f} | {r['paths']} |")
 

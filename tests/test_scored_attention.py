@@ -162,10 +162,14 @@ def test_reference_contract():
     spoiled = mx.concatenate([keys[:, :50], mx.full((3, 14, 32), mx.nan)], axis=1)
     again = kernel.scored_attention_reference(q, spoiled, values, 50, 0.2, scores)
     assert all(mx.array_equal(a, b).item() for a, b in zip((out, logits, sums), again[:3]))
-    # with `evict`: the slot evict_slot picks by the new scores
+    # with `evict`: the slot evict_slot picks by the new scores, whose score then starts over at 0
     positions = kernel.random_noise(3, 4, 64, seed=4).positions
-    slot = kernel.scored_attention_reference(q, keys, values, 50, 0.2, scores, evict=kernel.EvictAt(positions, 3, 60))[3]
+    chosen = kernel.scored_attention_reference(q, keys, values, 50, 0.2, scores, evict=kernel.EvictAt(positions, 3, 60))
+    slot = chosen[3]
     assert mx.array_equal(slot, evict_slot_reference(sums, positions[:, :50], 3, 60)).item()
+    zeroed = np.array(sums)
+    zeroed[np.arange(3), np.array(slot)] = 0.0
+    assert np.array_equal(np.array(chosen[2]), zeroed) and (zeroed > 0).sum() == 3 * 49
 
 
 # -- GPU --------------------------------------------------------------------------------------------
@@ -201,8 +205,10 @@ def test_fused_matches_reference(dtype, G, D, accumulate, noise, evicts):
         got = kernel.scored_attention_fused(q, keys, values, n, D**-0.5, given, gumbel, evict, GPU, blocks=blocks)
         want = reference_f32(q, keys, values, n, D**-0.5, given, gumbel)
         assert got[0].dtype == dtype and got[1].shape == (R, G, n) and got[2].shape == (R, n)
-        if evicts:  # exactly the slot evict_slot picks by the kernel's own scores
-            assert mx.array_equal(got[3], evict_slot_reference(got[2], positions.positions[:, :n], 1, allocated - 2)).item()
+        if evicts:  # exactly the slot evict_slot picks by the kernel's own scores; its score then 0
+            ranked = kernel.slot_ranked_from(got[2], got[3], want[2])
+            assert mx.array_equal(got[3], evict_slot_reference(ranked, positions.positions[:, :n], 1, allocated - 2)).item()
+            want = (*want[:2], kernel.free_slot_zeroed(want[2], got[3]))
         got = got[:3]
         # float32 rounding of sums over up to 16k slots (the reference's own as much as the kernel's)
         for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (TOLERANCE[dtype], 1e-5, 1e-5)):

@@ -119,7 +119,9 @@ def scored_attention_reference(q, keys, values, n: int, scale: float, scores=Non
     Returns (out [R, G, D] in q's dtype, logits [R, G, n] float32, sums [R, n] float32, slot) where
     probs = softmax(logits) over the slots gives the output, and sums are the scores' probabilities
     summed over the G heads (+ scores if given): probs, or with `noise` softmax((logits + zeta) / tau);
-    slot [R] int32: with `evict`, the slot `evict_slot` picks by the sums, else None.
+    slot [R] int32: with `evict`, the slot `evict_slot` picks by the sums, else None. With `evict` the
+    chosen slot's sum is then set to 0: the cache writes its next token there, and a token's score
+    starts from zero (one scatter fewer per layer and step).
     """
     k, v = keys[:, :n], values[:, :n]
     logits = ((q * scale).astype(k.dtype) @ k.swapaxes(1, 2)).astype(mx.float32)  # [R, G, n]
@@ -132,8 +134,22 @@ def scored_attention_reference(q, keys, values, n: int, scale: float, scores=Non
     sums = probs.sum(axis=1)
     if scores is not None:
         sums = scores + sums
-    slot = None if evict is None else evict_slot_reference(sums, evict.positions[:, :n], evict.n_sink, evict.recent_start)
-    return out, logits, sums, slot
+    if evict is None:
+        return out, logits, sums, None
+    slot = evict_slot_reference(sums, evict.positions[:, :n], evict.n_sink, evict.recent_start)
+    return out, logits, free_slot_zeroed(sums, slot), slot
+
+
+def free_slot_zeroed(sums, slot):
+    """sums [R, n] with each row's `slot` [R] set to 0."""
+    return mx.put_along_axis(sums, slot[:, None], mx.array(0.0, mx.float32), axis=1)
+
+
+def slot_ranked_from(sums, slot, unzeroed):
+    """A kernel's sums [R, n] as its slot choice ranked them: the chosen slot's zero (see
+    `scored_attention_reference`) replaced by its value in `unzeroed` (the reference's sums without
+    `evict`, equal to the kernel's within rounding), to check the choice exactly by evict_slot's rule."""
+    return mx.put_along_axis(sums, slot[:, None], mx.take_along_axis(unzeroed, slot[:, None], axis=1), axis=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +420,10 @@ _FINISH_BODY = """
             }
             KV_BARRIER();
         }
-        if (tid == 0) slot_out[row] = best_slot[0];
+        if (tid == 0) {
+            slot_out[row] = best_slot[0];
+            sums[row * (long)n + best_slot[0]] = 0.0f;  // the score the slot's next token starts from
+        }
     }
 """
 
@@ -608,12 +627,15 @@ def _selftest(backend: str, dtype, variant: tuple) -> None:
         want = scored_attention_reference(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
                                           1000, D**-0.5, given, noise)
         mx.eval(want)
-    tolerance = _SELFTEST_TOLERANCE[dtype]
-    for what, a, b, tol in zip(("output", "logits", "sums"), got, want, (tolerance, 1e-5, 1e-5)):
-        dispatch.assert_close(a, b, tol, f"scored_attention self-test ({what})")
-    if evict is not None:  # the slot evict_slot picks by the kernel's own sums, exactly
-        dispatch.assert_equal([got[3]], [evict_slot_reference(got[2], positions[:, :1000], 5, 1050)],
+    sums = want[2]
+    if evict is not None:  # the slot evict_slot picks by the kernel's own sums, exactly; its sum then 0
+        ranked = slot_ranked_from(got[2], got[3], want[2])
+        dispatch.assert_equal([got[3]], [evict_slot_reference(ranked, positions[:, :1000], 5, 1050)],
                               "scored_attention self-test (slot)")
+        sums = free_slot_zeroed(sums, got[3])
+    tolerance = _SELFTEST_TOLERANCE[dtype]
+    for what, a, b, tol in zip(("output", "logits", "sums"), got, (*want[:2], sums), (tolerance, 1e-5, 1e-5)):
+        dispatch.assert_close(a, b, tol, f"scored_attention self-test ({what})")
 
 
 def _backend(q, accumulate: bool, noisy: bool, evicts: bool) -> str | None:

@@ -65,6 +65,7 @@ from mlx_lm.models.cache import create_attention_mask
 
 from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
+from ..kernels.dispatch import constant
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
 from ..kernels.scored_attention import EvictAt, fuses, scored_attention
 from ..kernels.scored_attention import shape_supported as scored_attention_supported
@@ -286,14 +287,19 @@ class EvictionCache(CompressedCache):
             # and each a kernel launch on a GPU); score_is_position: score_new's value, the same float32
             positions, scores = self.position, float(self.position)
         else:
-            positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
+            # a decode step's position as a shared constant (every layer writes the same one), not an
+            # arange: one launch less per layer on a GPU, where each costs ~10 us of host time
+            positions = mx.broadcast_to(
+                constant((self.position,), mx.int32) if S == 1 else
+                mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
             if self.prompt_len is not None and self.config.decode == "grow":
                 scores = None  # appended, never evicted
             elif self.scorer.decode == "fixed":
                 scores = self.scorer.score_new(self, keys, positions)
             elif S == 1 and self.free is not None:  # a one-pass decode step: the token goes into the free slot
-                # "replace": this step's attention replaces every score anyway
-                scores = None if self.scorer.decode == "replace" else self._zero_score(R)
+                # whose score is 0 already ("accumulate": see _zero_free_score) or is replaced by this
+                # step's attention with every other ("replace")
+                scores = None
             else:
                 scores = mx.zeros((R, S), mx.float32)
         self._store(keys, values, scores, positions)
@@ -547,6 +553,7 @@ class EvictionCache(CompressedCache):
                 # copy but cost ~0.2 ms of host time per layer on the H200, up to 2x a step
                 # (benchmarks/evict_decode_gpu.py: "async_eval per layer")
                 self.free = evict_slot(evict_by, self.positions, self.config.n_sink, self._recent_start())
+                self._zero_free_score()
                 return
             if self.rope_step is None:
                 cos, sin = rope_rotations(self.rope, self.head_dim, 2)
@@ -683,6 +690,13 @@ class EvictionCache(CompressedCache):
             self._scores[:, start:end] = scores
         self.length = end
 
+    def _zero_free_score(self):
+        """Set the free slots' scores to the 0 their next tokens start from ("accumulate": their
+        steps add to it). The GPU's scored step gets this from the launch that picks the slots
+        (kernels/scored_attention.py), so update_and_fetch writes no score for a decode token."""
+        if self.scorer.decode == "accumulate":
+            self._scores = mx.put_along_axis(self._scores, self.free[:, None], self._zero_score(self.free.shape[0]), axis=1)
+
     def _zero_score(self, rows: int) -> mx.array:
         """The score [rows, 1] of a decode step's token before attention adds its own: zero, made
         once (only ever scattered into the buffer, so sharing it is safe)."""
@@ -729,6 +743,8 @@ class EvictionCache(CompressedCache):
             setattr(self, field, value)
         if not hasattr(self, "rope"):  # restored by from_state: no model here
             self.rope, self.window_queries, self._unscored, self._new_keys, self._zeros = None, None, 0, None, None
+        if self.free is not None:  # a file from before the free slot's score was kept at 0 may hold another
+            self._zero_free_score()
 
 
 def _on_cuda() -> bool:

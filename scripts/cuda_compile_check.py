@@ -156,7 +156,7 @@ def main():
         kivi_attention._selftest("cuda", dtype, (2, 2, 32, 128, 4, 1, False))
         kivi_attention._selftest("cuda", dtype, (4, 4, 32, 128, 4, 1, False))
         for variant in ((4, 128, True, False, False), (4, 128, False, False, False), (4, 128, True, True, True),
-                        (8, 128, True, True, True), (4, 64, True, False, True)):
+                        (8, 128, True, True, True), (4, 64, True, False, True), (2, 96, True, False, False)):
             scored_attention._selftest("cuda", dtype, variant)
         for variant in ((128, False), (128, True), (64, False)):
             prompt_scores._selftest("cuda", dtype, variant)

@@ -188,7 +188,7 @@ def reference_f32(q, keys, values, n, scale, scores, noise=None):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("G, D", [(1, 32), (3, 64), (4, 128), (8, 128), (5, 256)])
+@pytest.mark.parametrize("G, D", [(1, 32), (3, 64), (2, 96), (4, 128), (8, 128), (5, 256)])
 @pytest.mark.parametrize("accumulate, noise, evicts", [(False, None, False), (True, None, False), (True, None, True),
                                                      (True, "redraw", True), (True, "frozen", False)])
 def test_fused_matches_reference(dtype, G, D, accumulate, noise, evicts):

@@ -444,7 +444,8 @@ _INDEX = {
 # Both backends: the channel a lane holds, and C consecutive elements as one load (VEC)
 _CHANNELS = """
 #define CHANNEL(c) (VEC ? lane * C + (c) : (c) * 32 + lane)
-template <typename X, int N> struct alignas(sizeof(X) * N) Chunk { X v[N]; };
+// aligned to the largest power of two dividing its size (D 96, 160, 224 give C = 3, 5, 7 channels)
+template <typename X, int N> struct alignas((sizeof(X) * N) & (~(sizeof(X) * N) + 1)) Chunk { X v[N]; };
 """
 # Per backend: a warp barrier, and Keyformer's noise exactly as counter_hash.py draws it (the
 # "lowbias32" finalizer on uint32, u from the hash's top 24 bits, kept below 1, zeta = -log(-log(u)))

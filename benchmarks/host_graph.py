@@ -44,6 +44,7 @@ GPU: `python benchmarks/host_graph.py --save host_graph_gpu.json` (fp16, the fus
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -124,6 +125,14 @@ def classes_at(revision: str) -> dict[str, type]:
         current = getattr(mlx_cache, name)
         exec(compile(source, f"{revision}:{path}", "exec"), module.__dict__)
         setattr(mlx_cache, name, current)  # the module registered its class for load_prompt_cache: undo
+        # the method configs are the current package's: the old module's own copies of their classes
+        # (Eviction, ...) would fail its identity checks (`EvictionCache._plain_scores`), taking
+        # another path than that revision took
+        package = importlib.import_module(f"kvcompress.methods.{Path(path).stem}")
+        for attr, value in list(module.__dict__.items()):
+            if isinstance(value, type) and attr != name and isinstance(getattr(package, attr, None), type) \
+                    and value.__module__ == module.__name__:
+                setattr(module, attr, getattr(package, attr))
         classes[name] = getattr(module, name)
     return classes
 

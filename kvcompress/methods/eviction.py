@@ -65,7 +65,6 @@ from mlx_lm.models.cache import create_attention_mask
 
 from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
-from ..kernels.dispatch import constant
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
 from ..kernels.scored_attention import EvictAt, fuses, scored_attention
 from ..kernels.scored_attention import shape_supported as scored_attention_supported
@@ -287,11 +286,9 @@ class EvictionCache(CompressedCache):
             # and each a kernel launch on a GPU); score_is_position: score_new's value, the same float32
             positions, scores = self.position, float(self.position)
         else:
-            # a decode step's position as a shared constant (every layer writes the same one), not an
-            # arange: one launch less per layer on a GPU, where each costs ~10 us of host time
-            positions = mx.broadcast_to(
-                constant((self.position,), mx.int32) if S == 1 else
-                mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
+            # an arange, not a host-made constant shared by the layers: that was one launch fewer per
+            # layer but slower pipelined on the H200 (benchmarks/EVICTION_GPU_NOTES.md, stop 16)
+            positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
             if self.prompt_len is not None and self.config.decode == "grow":
                 scores = None  # appended, never evicted
             elif self.scorer.decode == "fixed":

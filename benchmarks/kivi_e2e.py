@@ -13,7 +13,8 @@ puts the machine's drift (clocks, host load: single runs moved by up to 1.5x bet
 every cache alike; x full is the ratio to the full cache's time in the same round (median and
 range over the rounds). Also: resident KV MiB after prefill (`kvcompress.memory.live_kv_bytes`),
 prefill seconds (each cache first runs a throw-away 2k prefill so JIT compilation and kernel
-self-tests stay out of the timings), peak memory (the weights plus this cache's prefill) and which
+self-tests stay out of the timings; `--prefill-rounds` timed prefills per cache, taking turns as the
+decode rounds do, x full per round), peak memory (the weights plus this cache's prefill) and which
 kernel paths ran.
 
 Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/kivi_e2e.py --contexts 8192 32768`.
@@ -142,8 +143,7 @@ def prepare(model, label, method, params, T, warmup, classes=None, batch=1) -> d
     del warm, logits
     gc.collect()
     caches = make_caches(model, method, params, classes)
-    vocab = model.args.vocab_size
-    prompt = mx.random.randint(0, vocab, (batch, T), key=mx.random.key(T))
+    prompt = prompts(model, batch, T)
     dispatch.reset_paths()
     resident = mx.get_active_memory()  # the weights and the caches prepared before this one
     mx.reset_peak_memory()
@@ -152,8 +152,24 @@ def prepare(model, label, method, params, T, warmup, classes=None, batch=1) -> d
     kv_mib = live_kv_bytes(caches) / 2**20
     _, _, token = decode_sync(model, caches, greedy(logits), 1, warmup)
     paths = ",".join(f"{k.split('/')[0]}={v}" for k, v in dispatch.paths_used().items()) or "-"
-    return dict(label=label, T=T, batch=batch, caches=caches, token=token, kv_mib=kv_mib, prefill_s=prefill_s,
-                peak_gib=peak / 2**30, paths=paths, ms=[], build_ms=[], pipelined_ms=[])
+    return dict(label=label, T=T, batch=batch, caches=caches, token=token, kv_mib=kv_mib, prefill_s=[prefill_s],
+                peak_gib=peak / 2**30, paths=paths, ms=[], build_ms=[], pipelined_ms=[],
+                remake=lambda: make_caches(model, method, params, classes))
+
+
+def prompts(model, batch: int, T: int) -> mx.array:
+    """`batch` random T-token prompts [batch, T], the same for every cache."""
+    return mx.random.randint(0, model.args.vocab_size, (batch, T), key=mx.random.key(T))
+
+
+def prefill_again(model, run: dict) -> None:
+    """One more timed prefill of the run's prompts into fresh caches of its kind (then dropped)."""
+    caches = run["remake"]()
+    _, seconds = prefill(model, caches, prompts(model, run["batch"], run["T"]))
+    run["prefill_s"].append(seconds)
+    del caches
+    gc.collect()
+    mx.clear_cache()
 
 
 def weight_bytes(model) -> int:
@@ -186,6 +202,8 @@ def main():
     parser.add_argument("--steps", type=int, default=8, help="decode steps per cache per round (each way)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over every cache, taking turns")
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--prefill-rounds", type=int, default=3, help="timed prefills per cache, taking turns "
+                        "(one prefill carries the machine's drift: the ratio moved 1.4-1.8x between runs)")
     parser.add_argument("--tiny", action="store_true", help="a small random Llama instead (a smoke run on a CPU)")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), help=f"labels from {list(CACHES)}")
     parser.add_argument("--skip", nargs="*", default=[], help="label@context pairs to skip, e.g. 'h2o budget=0.5@32768'")
@@ -221,7 +239,7 @@ def main():
             if revision:
                 run["label"] = f"{label} @ {revision}"
             runs.append(run)
-            print(f"{run['label']} @ {T}: {run['kv_mib']:.0f} MiB, prefill {run['prefill_s']:.2f} s, "
+            print(f"{run['label']} @ {T}: {run['kv_mib']:.0f} MiB, prefill {run['prefill_s'][0]:.2f} s, "
                   f"peak {run['peak_gib']:.1f} GiB, {run['paths']} [{time.time() - t:.0f} s]", flush=True)
         full = next((run for run in runs if run["label"] == "full"), None)
         if full is None:
@@ -229,6 +247,10 @@ def main():
             continue
         # every cache takes its turn in every round, the order rotated each round, so drift in the
         # machine (clocks, host load) falls on all of them alike; ratios are per round
+        for rnd in range(1, args.prefill_rounds):
+            for run in runs[rnd % len(runs):] + runs[: rnd % len(runs)]:
+                prefill_again(model, run)
+            print(f"prefill round {rnd}: " + ", ".join(f"{r['label']} {r['prefill_s'][-1]:.2f}" for r in runs), flush=True)
         for rnd in range(args.rounds):
             for run in runs[rnd % len(runs):] + runs[: rnd % len(runs)]:
                 decode_round(model, run, args.steps)
@@ -237,19 +259,21 @@ def main():
         for run in runs:
             run["x_full"] = ratio(full["ms"], run["ms"])
             run["x_full_pipelined"] = ratio(full["pipelined_ms"], run["pipelined_ms"])
-            run["x_full_prefill"] = run["prefill_s"] / full["prefill_s"]
+            run["x_full_prefill"] = ratio(run["prefill_s"], full["prefill_s"])  # time, not speed: run / full
             rows.append(run)
             run.pop("caches")
+            run.pop("remake")
         del runs
         gc.collect()
-    print(f"\nmedian over {args.rounds} rounds of {args.steps} steps each way; x full: per-round ratios, median (min-max)")
+    print(f"\nmedian over {args.rounds} rounds of {args.steps} steps each way and {args.prefill_rounds} prefills; "
+          "x full: per-round ratios, median (min-max)")
     print("| cache | context | decode ms/step | host graph ms | pipelined ms/step | tok/s | x full tok/s "
           "| pipelined x full | KV MiB | prefill s | x full prefill | peak GiB | kernels |\n|" + "---|" * 13)
     for r in rows:
         ms, build, pipelined = (statistics.median(r[k]) for k in ("ms", "build_ms", "pipelined_ms"))
         print(f"| {r['label']} | {r['T']} | {ms:.2f} | {build:.2f} | {pipelined:.2f} | {r['batch'] * 1e3 / ms:.1f} | "
-              f"{spread(r['x_full'])} | {spread(r['x_full_pipelined'])} | {r['kv_mib']:.0f} | {r['prefill_s']:.2f} | "
-              f"{r['x_full_prefill']:.2f} | {r['peak_gib']:.1f} | {r['paths']} |")
+              f"{spread(r['x_full'])} | {spread(r['x_full_pipelined'])} | {r['kv_mib']:.0f} | {statistics.median(r['prefill_s']):.2f} | "
+              f"{spread(r['x_full_prefill'])} | {r['peak_gib']:.1f} | {r['paths']} |")
 
 
 if __name__ == "__main__":

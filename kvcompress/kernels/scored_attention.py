@@ -145,11 +145,16 @@ def free_slot_zeroed(sums, slot):
     return mx.put_along_axis(sums, slot[:, None], mx.array(0.0, mx.float32), axis=1)
 
 
-def slot_ranked_from(sums, slot, unzeroed):
-    """A kernel's sums [R, n] as its slot choice ranked them: the chosen slot's zero (see
-    `scored_attention_reference`) replaced by its value in `unzeroed` (the reference's sums without
-    `evict`, equal to the kernel's within rounding), to check the choice exactly by evict_slot's rule."""
-    return mx.put_along_axis(sums, slot[:, None], mx.take_along_axis(unzeroed, slot[:, None], axis=1), axis=1)
+def checked_slot(sums, slot, reference_sums, evict: EvictAt, what: str = "slot"):
+    """For the fused kernels' sums [R, n] and slot [R] with `evict`: assert the slot is exactly the
+    one evict_slot picks by the kernels' own sums (the chosen slot's zero put back from
+    `reference_sums`, the reference's sums without `evict`, equal within rounding), and return
+    `reference_sums` with that slot zeroed, to compare the kernels' sums with."""
+    n = sums.shape[1]
+    ranked = mx.put_along_axis(sums, slot[:, None], mx.take_along_axis(reference_sums, slot[:, None], axis=1), axis=1)
+    dispatch.assert_equal([slot], [evict_slot_reference(ranked, evict.positions[:, :n], evict.n_sink, evict.recent_start)],
+                          what)
+    return free_slot_zeroed(reference_sums, slot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -628,12 +633,7 @@ def _selftest(backend: str, dtype, variant: tuple) -> None:
         want = scored_attention_reference(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
                                           1000, D**-0.5, given, noise)
         mx.eval(want)
-    sums = want[2]
-    if evict is not None:  # the slot evict_slot picks by the kernel's own sums, exactly; its sum then 0
-        ranked = slot_ranked_from(got[2], got[3], want[2])
-        dispatch.assert_equal([got[3]], [evict_slot_reference(ranked, positions[:, :1000], 5, 1050)],
-                              "scored_attention self-test (slot)")
-        sums = free_slot_zeroed(sums, got[3])
+    sums = want[2] if evict is None else checked_slot(got[2], got[3], want[2], evict, "scored_attention self-test (slot)")
     tolerance = _SELFTEST_TOLERANCE[dtype]
     for what, a, b, tol in zip(("output", "logits", "sums"), got, (*want[:2], sums), (tolerance, 1e-5, 1e-5)):
         dispatch.assert_close(a, b, tol, f"scored_attention self-test ({what})")

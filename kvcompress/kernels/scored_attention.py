@@ -35,7 +35,8 @@ them to the scores; the MLX noise chain, softmax and sums of a Keyformer step go
 Choosing the slot to evict (EVICT): where the step's new scores are final after `finish` (H2O,
 Keyformer scoring with queries), one `finish` block of 512 threads holds each row and also picks
 the slot `evict_slot` (kernels/evict.py) would: the lowest unprotected score, ties to the lowest
-position; one launch fewer per layer.
+position; one launch fewer per layer. It then sets that slot's score to 0, the score the cache's
+next token (written there) starts from, so the token's write needs no score scatter: one more.
 
 Every variant is checked against the reference on the H200 (tests/test_scored_attention.py) and on
 the CPU, where the CUDA source runs through tests/cuda_on_cpu.py (g++, a thread per GPU thread,

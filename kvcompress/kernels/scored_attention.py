@@ -141,9 +141,12 @@ def scored_attention_reference(q, keys, values, n: int, scale: float, scores=Non
     return out, logits, free_slot_zeroed(sums, slot), slot
 
 
+_ZERO = mx.array(0.0, mx.float32)  # made once: a host-made array per call costs a GPU launch more
+
+
 def free_slot_zeroed(sums, slot):
-    """sums [R, n] with each row's `slot` [R] set to 0."""
-    return mx.put_along_axis(sums, slot[:, None], mx.array(0.0, mx.float32), axis=1)
+    """sums [R, >= n] with each row's `slot` [R] set to 0 (the score a token written there starts from)."""
+    return mx.put_along_axis(sums, slot[:, None], _ZERO, axis=1)
 
 
 def checked_slot(sums, slot, reference_sums, evict: EvictAt, what: str = "slot"):

@@ -66,7 +66,7 @@ from mlx_lm.models.cache import create_attention_mask
 from ..attention import attention_geometry, install
 from ..errors import ConfigError, check, is_int
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
-from ..kernels.scored_attention import EvictAt, fuses, scored_attention
+from ..kernels.scored_attention import EvictAt, free_slot_zeroed, fuses, scored_attention
 from ..kernels.scored_attention import shape_supported as scored_attention_supported
 from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
 from .prompt_scores import accumulated_attention, folded_logits
@@ -248,7 +248,6 @@ class EvictionCache(CompressedCache):
         self.rope_step = None  # (cos, sin) of one RoPE position, for compact-mode eviction
         self._unscored = 0  # tokens appended and not yet seen by attention()
         self._new_keys = None  # [R, S, D] the keys of those tokens
-        self._zeros = None  # see _zero_score
 
     # -- the slots in use (views of the buffers: no copy) -------------------------------------
 
@@ -692,14 +691,7 @@ class EvictionCache(CompressedCache):
         steps add to it). The GPU's scored step gets this from the launch that picks the slots
         (kernels/scored_attention.py), so update_and_fetch writes no score for a decode token."""
         if self.scorer.decode == "accumulate":
-            self._scores = mx.put_along_axis(self._scores, self.free[:, None], self._zero_score(self.free.shape[0]), axis=1)
-
-    def _zero_score(self, rows: int) -> mx.array:
-        """The score [rows, 1] of a decode step's token before attention adds its own: zero, made
-        once (only ever scattered into the buffer, so sharing it is safe)."""
-        if self._zeros is None or self._zeros.shape[0] != rows:
-            self._zeros = mx.zeros((rows, 1), mx.float32)
-        return self._zeros
+            self._scores = free_slot_zeroed(self._scores, self.free)
 
     def _set_offset(self):
         self.offset = self.position if self.config.positions == "exact" else self.length
@@ -739,7 +731,7 @@ class EvictionCache(CompressedCache):
         for field, value in meta.items():
             setattr(self, field, value)
         if not hasattr(self, "rope"):  # restored by from_state: no model here
-            self.rope, self.window_queries, self._unscored, self._new_keys, self._zeros = None, None, 0, None, None
+            self.rope, self.window_queries, self._unscored, self._new_keys = None, None, 0, None
         if self.free is not None:  # a file from before the free slot's score was kept at 0 may hold another
             self._zero_free_score()
 

@@ -212,6 +212,9 @@ def main():
     args = parser.parse_args()
     if "full" not in args.caches:
         parser.error("--caches must include full (every ratio is against it)")
+    for flag, value in (("--batch", args.batch), ("--prefill-rounds", args.prefill_rounds), ("--rounds", args.rounds)):
+        if value < 1:
+            parser.error(f"{flag} must be an integer >= 1, got {value}")
     classes = classes_at(args.against) if args.against else None
     shape = "a tiny Llama" if args.tiny else "Llama-3.1-8B shape"
     print("mlx", mx.__version__, mx.default_device(), f"{args.layers} layers, {shape}, fp16, batch {args.batch}",

@@ -2,12 +2,17 @@
 row's log-sum-exp, then each key's column sums, plain (H2O) and with Keyformer's noise, for one layer
 of 8 KV heads x 4 query heads, D 128, fp16, a whole prompt of each length. CUDA only.
 
-    python benchmarks/prompt_passes_speed.py [--tokens 8192 32768] [--reps 5]
+    python benchmarks/prompt_passes_speed.py [--tokens 8192 32768] [--reps 5] [--against OLD.py]
+
+--against times another version of kvcompress/kernels/prompt_scores.py (a file, e.g. from `git show
+REV:kvcompress/kernels/prompt_scores.py > old.py`) in the same process, the two taking turns each
+repetition, and prints this tree's time over it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -23,7 +28,16 @@ from kvcompress.kernels import prompt_scores as kernels  # noqa: E402
 R, G, D = 8, 4, 128
 
 
-def passes(n: int, noisy: bool):
+def load_kernels(path: str):
+    """Another version of kernels/prompt_scores.py as a module of the package (its relative imports
+    resolve)."""
+    spec = importlib.util.spec_from_file_location("kvcompress.kernels.prompt_scores_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def passes(kernels, n: int, noisy: bool):
     """The two launches of `accumulated_attention_fused` for a whole prompt of n tokens, apart."""
     queries, keys = kernels.random_case(R, G, n, n, D, mx.float16, seed=1)
     noise = kernels.random_noise(R, G, n, n, True, seed=2) if noisy else None
@@ -52,32 +66,46 @@ def passes(n: int, noisy: bool):
     return row_lse, column_sums
 
 
-def median_ms(f, reps: int) -> float:
-    mx.eval(f())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def median_ms(functions: list, reps: int) -> list[float]:
+    """Each function's median time (ms) over `reps` rounds, the functions taking turns in a round."""
+    for f in functions:
         mx.eval(f())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    times = [[] for _ in functions]
+    for _ in range(reps):
+        for f, spent in zip(functions, times):
+            start = time.perf_counter()
+            mx.eval(f())
+            spent.append(time.perf_counter() - start)
+    return [1e3 * statistics.median(spent) for spent in times]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--against", metavar="FILE", help="another kernels/prompt_scores.py, timed in turn")
     args = parser.parse_args()
+    if args.reps < 1 or any(n < 64 for n in args.tokens):
+        parser.error("--reps must be >= 1 and every --tokens >= 64")
+    if args.against and not Path(args.against).is_file():
+        parser.error(f"--against: no file {args.against}")
     if dispatch.gpu_backend() != "cuda":
         sys.exit("prompt_passes_speed: the kernels run on CUDA only")
+    versions = [kernels] + ([load_kernels(args.against)] if args.against else [])
     print(f"mlx {mx.__version__} {mx.default_device()}; {R} KV heads x {G}, D {D}, float16; median of {args.reps}")
-    print("| tokens | noise | pass | ms | G logits/s |")
-    print("|---|---|---|---|---|")
+    against = " | ms before | x faster" if args.against else ""
+    print(f"| tokens | noise | pass | ms | G logits/s{against} |")
+    print("|---|---|---|---|---|" + ("---|---|" if args.against else ""))
     for n in args.tokens:
         for noisy in (False, True):
-            for name, f in zip(("row_lse", "column_sums"), passes(n, noisy)):
-                ms = median_ms(f, args.reps)
+            for p, name in enumerate(("row_lse", "column_sums")):
+                # each version's column pass reads its own row pass's lse
+                ms = median_ms([passes(module, n, noisy)[p] for module in versions], args.reps)
                 logits = R * G * n * n / 2  # the causal half
-                print(f"| {n} | {'keyformer' if noisy else 'none'} | {name} | {ms:.1f} | {logits / ms / 1e6:.0f} |", flush=True)
+                row = f"| {n} | {'keyformer' if noisy else 'none'} | {name} | {ms[0]:.1f} | {logits / ms[0] / 1e6:.0f}"
+                if args.against:
+                    row += f" | {ms[1]:.1f} | {ms[1] / ms[0]:.2f}"
+                print(row + " |", flush=True)
 
 
 if __name__ == "__main__":

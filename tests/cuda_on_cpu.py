@@ -8,11 +8,11 @@ the MLX reference on machines without a GPU. What it cannot show: GPU speed, mem
 that the barriers here hide, the GPU's math library (expf/logf here are glibc's).
 
 Only what the kernels in kvcompress/kernels use is shimmed (32-bit shuffles, barriers, a few
-float built-ins, the tensor-core `wmma` calls; `__half` is not: run the float32 instantiations).
-`wmma` (<mma.h>) here keeps a whole 16 x 16 tile in every thread of the warp (the hardware spreads
-it over the lanes in a layout CUDA leaves unspecified, which code using only these calls cannot
-see): loads read the tile from memory as the layout says, `mma_sync` multiplies in float32, one
-lane stores it.
+float built-ins, the tensor-core product `Mma<T>::run` and the asynchronous copies; `__half` is not:
+run the float32 instantiations). The product (mma.sync m16n8k16 on a GPU) exchanges the warp's
+fragments through memory and gives each lane the C elements PTX's fragment layout gives it, so a
+kernel that reads its logits from the wrong lane or register fails here as on the GPU; the copies
+(cp.async) are plain copies, done when issued.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ struct __half { unsigned short bits; __half() {} __half(float) {} operator float
 """
 
 RUNTIME = r"""
-struct Warp { std::unique_ptr<std::barrier<>> bar; uint32_t exchange[32]; };
+struct Warp { std::unique_ptr<std::barrier<>> bar; uint32_t exchange[32]; float mma_a[32][8], mma_b[32][4]; };
 static std::vector<Warp> g_warps;
 static std::unique_ptr<std::barrier<>> g_block;
 thread_local int t_warp, t_lane;
@@ -80,6 +80,37 @@ template <typename X> X __shfl_xor_sync(unsigned int, X v, int m) {
     w.bar->arrive_and_wait();  // everyone has read before the next exchange is written
     return r;
 }
+// mma.sync.m16n8k16 (fp32 accumulation) on float pairs: lane l gives a[0..3] (A 16 x 16, row-major:
+// rows l/4 and l/4 + 8, columns 2(l%4) + {0, 1} and + 8), b[0..1] (B 16 x 8, column-major: rows
+// 2(l%4) + {0, 1} and + 8, column l/4) and takes c[0..3] (rows l/4 and l/4 + 8, columns 2(l%4) + {0, 1})
+template <typename T> struct Mma {
+    template <typename P> static void run(float* c, const P* a, const P* b) {
+        static_assert(sizeof(P) == 8, "float32 pairs only (the float32 instantiations)");
+        Warp& w = g_warps[t_warp];
+        std::memcpy(w.mma_a[t_lane], a, 32);
+        std::memcpy(w.mma_b[t_lane], b, 16);
+        w.bar->arrive_and_wait();
+        float out[4];
+        for (int e = 0; e < 4; ++e) {
+            const int row = t_lane / 4 + 8 * (e / 2), col = 2 * (t_lane % 4) + e % 2;
+            float acc = c[e];
+            for (int k = 0; k < 16; ++k) {
+                const float x = w.mma_a[(row % 8) * 4 + (k % 8) / 2][(k / 8) * 4 + (row / 8) * 2 + k % 2];
+                const float y = w.mma_b[col * 4 + (k % 8) / 2][(k / 8) * 2 + k % 2];
+                acc += x * y;
+            }
+            out[e] = acc;
+        }
+        w.bar->arrive_and_wait();  // everyone has read before the next product is written
+        std::memcpy(c, out, 16);
+    }
+};
+// cp.async: the copy done at once (so the waits have nothing to wait for)
+inline void copy16_async(void* shared, const void* global, bool valid) {
+    if (valid) std::memcpy(shared, global, 16); else std::memset(shared, 0, 16);
+}
+inline void copies_commit() {}
+template <int PENDING> void copies_wait() {}
 template <class F> void launch(int blocks_x, int blocks_y, int threads, F body) {
     blockDim = {(unsigned)threads, 1, 1};
     gridDim = {(unsigned)blocks_x, (unsigned)blocks_y, 1};
@@ -117,45 +148,6 @@ template <typename X> void save(const char* path, const std::vector<X>& v) {
     std::fwrite(v.data(), sizeof(X), v.size(), f);
     std::fclose(f);
 }
-"""
-
-# <mma.h> for the emulated kernels (see the module docstring)
-WMMA = r"""
-#pragma once
-extern thread_local int t_lane;
-namespace nvcuda { namespace wmma {
-struct matrix_a {}; struct matrix_b {}; struct accumulator {};
-struct row_major {}; struct col_major {};
-enum layout_t { mem_row_major, mem_col_major };
-template <typename Use, int M, int N, int K, typename T, typename Layout = void>
-struct fragment { static_assert(M == 16 && N == 16 && K == 16, "16x16x16 only"); T x[256]; };
-template <typename Use, typename T, typename Layout>
-void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
-    // element (i, j) of the fragment's matrix (a: rows i x depth j; b: depth i x columns j)
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 16; ++j)
-            f.x[i * 16 + j] = std::is_same_v<Layout, row_major> ? p[i * ldm + j] : p[i + j * ldm];
-}
-template <typename T>
-void fill_fragment(fragment<accumulator, 16, 16, 16, T>& f, T v) { for (auto& e : f.x) e = v; }
-template <typename T, typename LA, typename LB>
-void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
-              const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
-    float out[256];
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 16; ++j) {
-            float acc = c.x[i * 16 + j];
-            for (int k = 0; k < 16; ++k) acc += (float)a.x[i * 16 + k] * (float)b.x[k * 16 + j];
-            out[i * 16 + j] = acc;
-        }
-    for (int e = 0; e < 256; ++e) d.x[e] = out[e];
-}
-inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t layout) {
-    if (t_lane != 0) return;  // one lane writes the warp's tile
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 16; ++j) p[layout == mem_row_major ? i * ldm + j : i + j * ldm] = f.x[i * 16 + j];
-}
-} }
 """
 
 C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t",
@@ -199,9 +191,8 @@ def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inpu
     if binary is None:  # the same program (kernel, template, sizes) again: reuse its build
         source = workdir / "run.cpp"
         source.write_text(program)
-        (workdir / "mma.h").write_text(WMMA)
         binary = workdir / "run"
-        build = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-w", "-I", str(workdir), str(source), "-o", str(binary)],
+        build = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(binary)],
                                capture_output=True, text=True)
         if build.returncode:
             raise RuntimeError(build.stderr[-3000:])

@@ -164,7 +164,7 @@ def test_evict_slot_is_bit_exact(emulated_cuda):
     assert_equal([got], [evict.evict_slot_reference(evict_by, positions, n_sink, recent_start)], "slot")
 
 
-# -- prompt_scores (tensor cores: the emulator's wmma keeps a whole tile per thread) ------------------
+# -- prompt_scores (tensor cores: the emulator's product gives each lane its fragment's elements) -------
 
 @pytest.mark.parametrize("R, G, L, n, D, noise", [
     (2, 3, 40, 70, 32, None),  # one ragged tile of rows, two of keys
@@ -183,9 +183,13 @@ def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D, noise)
 
 
 @pytest.mark.parametrize("body, wrong", [
-    ("_ROW_LSE_BODY", ("key <= position ?", "key < position ?")),  # the diagonal left out of a row's softmax
-    ("_COLUMN_SUMS_BODY", ("x = (x + gumbel_fast(row_hash[i], (unsigned int)key)) * row_inv_tau[i]",  # no noise in pass 2
-                           "x = x * row_inv_tau[i]")),
+    ("_ROW_LSE_BODY", ("key <= position[h] ?", "key < position[h] ?")),  # the diagonal left out of a row's softmax
+    ("_COLUMN_SUMS_BODY", ("x = (x + gumbel_fast(row_hash[b][i], (unsigned int)key[h])) * row_inv_tau[b][i]",
+                           "x = x * row_inv_tau[b][i]")),  # no noise in pass 2
+    ("_COLUMN_SUMS_BODY", ("total[h] += __expf(x - row_lse[b][i])",  # a row's logit taken from the wrong register
+                           "total[h] += __expf((float)(T)s[j][2 * (1 - h) + c] - row_lse[b][i])")),
+    ("_HEADER", ("a[k][2] = *reinterpret_cast<const P*>(lo + k * 16 + 8);",  # an A fragment from the wrong row
+                 "a[k][2] = *reinterpret_cast<const P*>(hi + k * 16 + 8);")),
 ])
 def test_the_prompt_scores_check_catches_a_wrong_kernel(emulated_cuda, monkeypatch, body, wrong):
     assert wrong[0] in getattr(prompt_kernels, body)

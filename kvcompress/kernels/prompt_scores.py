@@ -86,15 +86,15 @@ def accumulated_attention_reference(queries: mx.array, keys: mx.array, scale: fl
 # One header and two bodies. `q` [R, M_pad, D] pre-scaled, query-major rows, zero rows past M;
 # `keys` [R, n, D]; dims: M (rows), n, first (the first query's position), G, M_pad, redraw (NOISY:
 # a draw per query); NOISY: `streams` [R, G] uint32, `taus` [L].
-# Shared memory is padded so that no access waits on a bank: key rows KEY_LD = D + 8 elements apart
-# (the tensor cores' 8-row loads land on 8 different 16-byte slots), logit rows S_LD = 68 floats
-# apart (a warp's 16-byte reads of 8 rows: 8 different slots). Unpadded, the first version ran 3x
-# slower than the MLX tiles on the H200 (32-way conflicts on every logit read).
+# A warp's products are m16n8k16 tensor-core instructions (mma.sync) whose C fragments stay in the
+# lanes' registers: the softmax reads its logits where the product left them (FlashAttention-2's
+# layout, Dao 2023), never through shared memory (the first version stored every tile of logits to
+# shared memory with wmma and read it back: 25 + 36 ms a layer at 32k for H2O's two passes). The
+# streamed tiles come in by cp.async into two buffers: the next tile loads while this one computes.
+# Key (or query) rows sit D + 8 elements apart in shared memory, so the 32 lanes' B-fragment reads
+# (8 rows x 4 words) fall on 32 different banks for every D here.
 _HEADER = """
-#include <mma.h>
 #define NEG_INF (-__int_as_float(0x7f800000))
-#define S_LD 68
-using namespace nvcuda;
 """ + _EXTRA_HEADER["cuda"] + """
 // Keyformer's Gumbel draw for a prompt's every logit: gumbel()'s (the decode kernel's) with the
 // hardware's base-2 logarithm (lg2.approx) for its two precise logarithms, which cost about half of
@@ -110,40 +110,98 @@ __device__ __forceinline__ float gumbel_fast(unsigned int step_hash, unsigned in
                                      : -0.69314718f * __log2f(u);
     return -0.69314718f * __log2f(w);
 }
-// a tile of logits into shared `s`: the warp's 16 rows of A (fragments in registers: query rows in
-// the row pass, keys in the column pass) times the 64 rows of `tile` in shared memory ([64][D + 8],
-// row-major: the col-major B of a . tile^T)
-template <typename T, int D>
-__device__ inline void warp_logits(wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>* a,
-                                   const T* tile, float* s, int warp) {
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
-    _Pragma("unroll") for (int col = 0; col < 4; ++col) {
-        wmma::fill_fragment(c, 0.0f);
-        _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
-            wmma::load_matrix_sync(b, tile + col * 16 * (D + 8) + k * 16, D + 8);
-            wmma::mma_sync(c, a[k], b, c);
-        }
-        wmma::store_matrix_sync(s + warp * 16 * S_LD + col * 16, c, S_LD, wmma::mem_row_major);
+// two elements of T in one 32-bit register, as the tensor cores take fp16 / bf16 (the CPU emulator
+// runs float32 instantiations: two floats)
+struct FloatPair { float x, y; };
+template <int BYTES> struct PairOf { typedef unsigned int type; };
+template <> struct PairOf<4> { typedef FloatPair type; };
+#ifdef __CUDACC__
+// c += a b, one m16n8k16 product of the warp (PTX ISA, "mma.m16n8k16"); lane l holds
+//   a[0..3]: A (16 x 16, row-major) row l / 4 (a0, a2) and l / 4 + 8 (a1, a3), columns 2 (l % 4) + {0, 1} (a0, a1) and + 8 (a2, a3)
+//   b[0..1]: B (16 x 8, column-major) rows 2 (l % 4) + {0, 1} (b0) and + 8 (b1), column l / 4
+//   c[0..3]: C (16 x 8) row l / 4 (c0, c1) and l / 4 + 8 (c2, c3), columns 2 (l % 4) + {0, 1}
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float* c, const unsigned int* a, const unsigned int* b) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float* c, const unsigned int* a, const unsigned int* b) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+// 16 bytes from global to shared memory without passing through registers (cp.async), zeros where
+// !valid; a commit closes a group of them, a wait leaves at most PENDING groups in flight
+__device__ __forceinline__ void copy16_async(void* shared, const void* global, bool valid) {
+    const unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(address), "l"(global), "r"(valid ? 16 : 0) : "memory");
 }
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING> __device__ __forceinline__ void copies_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+}
+#endif
 // rows row0 .. row0 + 63 of a [count, D] matrix into a shared tile [64][D + 8], zeros past count:
-// 16-byte loads (a row of D * sizeof(T) bytes is a whole number of them: D is a multiple of 16)
+// 16-byte asynchronous copies (a row of D * sizeof(T) bytes is a whole number of them), one group
 template <typename T, int D>
-__device__ inline void load_rows(const T* matrix, T* tile, int row0, int count, int tid) {
+__device__ inline void load_rows_async(const T* matrix, T* tile, int row0, int count, int tid) {
     constexpr int PER_ROW = D * (int)sizeof(T) / 16;
-    const uint4 zero = {0u, 0u, 0u, 0u};
     for (int e = tid; e < 64 * PER_ROW; e += 128) {
         const int j = e / PER_ROW;
-        reinterpret_cast<uint4*>(tile + j * (D + 8))[e % PER_ROW] =
-            row0 + j < count ? reinterpret_cast<const uint4*>(matrix + (long)(row0 + j) * D)[e % PER_ROW] : zero;
+        const bool valid = row0 + j < count;
+        copy16_async(reinterpret_cast<uint4*>(tile + j * (D + 8)) + e % PER_ROW,
+                     reinterpret_cast<const uint4*>(matrix + (long)(valid ? row0 + j : 0) * D) + e % PER_ROW, valid);
     }
+    copies_commit();
+}
+// the lane's A fragments of 16 rows (the lane's two: `lo`, and `hi` 8 rows further) for D / 16
+// products along the head dim
+template <typename T, int D>
+__device__ inline void load_a(typename PairOf<sizeof(T)>::type (*a)[4], const T* lo, const T* hi, int lane) {
+    typedef typename PairOf<sizeof(T)>::type P;
+    lo += 2 * (lane % 4);
+    hi += 2 * (lane % 4);
+    _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
+        a[k][0] = *reinterpret_cast<const P*>(lo + k * 16);
+        a[k][1] = *reinterpret_cast<const P*>(hi + k * 16);
+        a[k][2] = *reinterpret_cast<const P*>(lo + k * 16 + 8);
+        a[k][3] = *reinterpret_cast<const P*>(hi + k * 16 + 8);
+    }
+}
+// the warp's 16 x 64 logits: its 16 rows (A fragments) times the 64 rows of a shared tile ([64][D + 8],
+// row-major: the column-major B of a . tile^T); s[j] holds the lane's C elements of columns 8j .. 8j + 7
+template <typename T, int D>
+__device__ inline void warp_logits(typename PairOf<sizeof(T)>::type (*a)[4], const T* tile, float (*s)[4], int lane) {
+    typedef typename PairOf<sizeof(T)>::type P;
+    _Pragma("unroll") for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    const T* column = tile + (lane / 4) * (D + 8) + 2 * (lane % 4);
+    _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
+        _Pragma("unroll") for (int j = 0; j < 8; ++j) {
+            const T* b = column + j * 8 * (D + 8) + k * 16;
+            const P fragment[2] = {*reinterpret_cast<const P*>(b), *reinterpret_cast<const P*>(b + 8)};
+            Mma<T>::run(s[j], a[k], fragment);
+        }
+    }
+}
+// (max, sum of exp(x - max)) of a row's logits, `other`'s folded into `mine`
+__device__ __forceinline__ void merge_softmax(float& max_mine, float& sum_mine, float max_other, float sum_other) {
+    const float top = fmaxf(max_mine, max_other);
+    sum_mine = (max_mine == NEG_INF ? 0.0f : sum_mine * __expf(max_mine - top))
+             + (max_other == NEG_INF ? 0.0f : sum_other * __expf(max_other - top));
+    max_mine = top;
 }
 """
 
 _COMMON = """
+    typedef typename PairOf<sizeof(T)>::type P;
     const int tid = threadIdx.x;
     const int warp = tid / 32;
+    const int lane = tid % 32;
     const long r = blockIdx.y;
     const int M = dims[0];
     const int n = dims[1];
@@ -151,124 +209,147 @@ _COMMON = """
     const int G = dims[3];
     const int M_pad = dims[4];
     const unsigned int redraw = (unsigned int)dims[5];
-    // 64 rows of keys (the row pass; the column pass: its keys once, then query rows); wmma wants
-    // 32-byte aligned tiles; raw bytes: a __shared__ array of a class type (__half) may not be declared
-    __shared__ __align__(32) unsigned char tile_bytes[64 * (D + 8) * sizeof(T)];
-    T* tile = reinterpret_cast<T*>(tile_bytes);
-    __shared__ __align__(32) float s[64 * S_LD];
+    // two tiles of 64 streamed rows (keys in the row pass, query rows in the column pass); raw
+    // bytes: a __shared__ array of a class type (__half) may not be declared
+    __shared__ __align__(16) unsigned char tile_bytes[2][64 * (D + 8) * sizeof(T)];
+    auto tile = [&](int b) { return reinterpret_cast<T*>(tile_bytes[b]); };
+    // the lane's place in a warp's C fragments: rows (lane / 4) and (lane / 4 + 8), columns
+    // 8j + col0 + {0, 1}
+    const int col0 = 2 * (lane % 4);
+    P a[D / 16][4];
+    float s[8][4];
 """
 
 _ROW_LSE_BODY = _COMMON + """
     // the last rows first: they see the most keys, and the blocks start in this order (a short
     // block last fills the tail)
     const int m0 = (gridDim.x - 1 - blockIdx.x) * 64;
-    // this warp's 16 query rows as tensor-core fragments, kept in registers for every key tile
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[D / 16];
-    _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
-        wmma::load_matrix_sync(a[k], q + (r * M_pad + m0 + warp * 16) * D + k * 16, D);
+    const T* warp_rows = q + (r * M_pad + m0 + warp * 16 + lane / 4) * D;
+    load_a<T, D>(a, warp_rows, warp_rows + 8 * D, lane);  // kept in registers for every key tile
+    // the lane's two rows (h = 0, 1): query position, noise stream and temperature
+    int position[2];
+    unsigned int row_hash[2];
+    float inv_tau[2], run_max[2], run_sum[2];
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+        const int m = min(m0 + warp * 16 + lane / 4 + 8 * h, M - 1);
+        position[h] = first + m / G;
+        row_hash[h] = NOISY ? mix32(streams[r * G + m % G] ^ (redraw * (position[h] + 1))) : 0u;
+        inv_tau[h] = NOISY ? 1.0f / taus[position[h] - first] : 1.0f;
+        run_max[h] = NEG_INF;
+        run_sum[h] = 0.0f;
     }
-    // lane l of warp w: row w * 16 + l % 16 of the tile, keys (l / 16) * 32 .. + 31 of each key tile
-    const int row = warp * 16 + tid % 16;
-    const int half = (tid % 32) / 16;
-    const int m = m0 + row;
-    const int position = first + min(m, M - 1) / G;
     const int last = first + (min(m0 + 63, M - 1)) / G;  // the tile's last query sees keys 0..last
-    // NOISY: this row's (head's, query's) noise stream and temperature
-    const unsigned int row_hash = NOISY ? mix32(streams[r * G + min(m, M - 1) % G] ^ (redraw * (position + 1))) : 0u;
-    const float inv_tau = NOISY ? 1.0f / taus[position - first] : 1.0f;
-    const float4* my_logits = reinterpret_cast<const float4*>(s + row * S_LD + half * 32);
-    float run_max = NEG_INF, run_sum = 0.0f;
-    for (int k0 = 0; k0 <= last; k0 += 64) {
-        load_rows<T, D>(keys + r * n * D, tile, k0, n, tid);
-        __syncthreads();
-        warp_logits<T, D>(a, tile, s, warp);
-        __syncwarp();  // a warp reads only its own rows of s
-        // the lane's 32 logits: rounded as the MLX product in T, noised, masked past the position;
-        // their max first, then one rescale of the running sum per tile
-        float x[32];
-        float tile_max = NEG_INF;
-        _Pragma("unroll") for (int c4 = 0; c4 < 8; ++c4) {
-            const float4 v = my_logits[c4];
-            const float four[4] = {v.x, v.y, v.z, v.w};
+    const int key_tiles = last / 64 + 1;
+    const T* key_rows = keys + r * n * D;
+    load_rows_async<T, D>(key_rows, tile(0), 0, n, tid);
+    for (int t = 0; t < key_tiles; ++t) {
+        if (t + 1 < key_tiles) {
+            load_rows_async<T, D>(key_rows, tile((t + 1) % 2), (t + 1) * 64, n, tid);
+            copies_wait<1>();
+        } else {
+            copies_wait<0>();
+        }
+        __syncthreads();  // tile t is in, for every thread
+        warp_logits<T, D>(a, tile(t % 2), s, lane);
+        // the lane's 2 x 16 logits: rounded as the MLX product in T, noised, masked past the
+        // query's position; their max first, then one rescale of each row's running sum per tile
+        float tile_max[2] = {NEG_INF, NEG_INF};
+        _Pragma("unroll") for (int j = 0; j < 8; ++j) {
             _Pragma("unroll") for (int e = 0; e < 4; ++e) {
-                const int key = k0 + half * 32 + c4 * 4 + e;
-                float value = (float)(T)four[e];
-                if (NOISY) value = (value + gumbel_fast(row_hash, (unsigned int)key)) * inv_tau;
-                x[c4 * 4 + e] = key <= position ? value : NEG_INF;
-                tile_max = fmaxf(tile_max, x[c4 * 4 + e]);
+                const int h = e / 2;
+                const int key = t * 64 + 8 * j + col0 + e % 2;
+                float value = (float)(T)s[j][e];
+                if (NOISY) value = (value + gumbel_fast(row_hash[h], (unsigned int)key)) * inv_tau[h];
+                s[j][e] = key <= position[h] ? value : NEG_INF;
+                tile_max[h] = fmaxf(tile_max[h], s[j][e]);
             }
         }
-        if (tile_max > NEG_INF) {
-            const float top = fmaxf(run_max, tile_max);
-            run_sum *= __expf(run_max - top);  // 0 * 0 while run_max is still -inf
-            _Pragma("unroll") for (int c = 0; c < 32; ++c) run_sum += __expf(x[c] - top);
-            run_max = top;
+        _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+            if (tile_max[h] > NEG_INF) {
+                const float top = fmaxf(run_max[h], tile_max[h]);
+                run_sum[h] *= __expf(run_max[h] - top);  // 0 * 0 while run_max is still -inf
+                _Pragma("unroll") for (int j = 0; j < 8; ++j) {
+                    run_sum[h] += __expf(s[j][2 * h] - top) + __expf(s[j][2 * h + 1] - top);
+                }
+                run_max[h] = top;
+            }
         }
-        __syncthreads();  // the next tile overwrites tile and s
+        __syncthreads();  // every warp is done with tile t before tile t + 2 loads over it
     }
-    // the row's two lanes (l, l + 16) combine
-    const float other_max = __shfl_xor_sync(0xffffffffu, run_max, 16);
-    const float other_sum = __shfl_xor_sync(0xffffffffu, run_sum, 16);
-    const float top = fmaxf(run_max, other_max);
-    const float total = (run_max == NEG_INF ? 0.0f : run_sum * __expf(run_max - top))
-                      + (other_max == NEG_INF ? 0.0f : other_sum * __expf(other_max - top));
-    if (half == 0 && m < M) lse[r * M + m] = top + __logf(total);
+    // a row's four lanes (lane / 4 the same) combine
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+        _Pragma("unroll") for (int other = 1; other <= 2; other *= 2) {
+            merge_softmax(run_max[h], run_sum[h], __shfl_xor_sync(0xffffffffu, run_max[h], other),
+                          __shfl_xor_sync(0xffffffffu, run_sum[h], other));
+        }
+        const int m = m0 + warp * 16 + lane / 4 + 8 * h;
+        if (lane % 4 == 0 && m < M) lse[r * M + m] = run_max[h] + __logf(run_sum[h]);
+    }
 """
 
 _COLUMN_SUMS_BODY = _COMMON + """
     const int k0 = blockIdx.x * 64;
-    // the block's 64 keys through shared memory into registers: this warp's 16 as the A of
-    // k . q^T (so the query rows stream through shared memory as the row pass streams keys)
-    load_rows<T, D>(keys + r * n * D, tile, k0, n, tid);
-    __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[D / 16];
-    _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
-        wmma::load_matrix_sync(a[k], tile + warp * 16 * (D + 8) + k * 16, D + 8);
-    }
-    // lane l of warp w: key w * 16 + l % 16 of the block, rows (l / 16) * 32 .. + 31 of each row tile
-    const int key_in_block = warp * 16 + tid % 16;
-    const int half = (tid % 32) / 16;
-    const int key = k0 + key_in_block;
-    const float4* my_logits = reinterpret_cast<const float4*>(s + key_in_block * S_LD + half * 32);
-    float total = 0.0f;
-    // the first row tile with a query that sees key k0 (query positions first + m / G)
-    const int m_start = max(0, k0 - first) * G / 64 * 64;
-    // the tile's rows: lse, the query's position (-1 past M: no key), noise stream and temperature
-    __shared__ float row_lse[64];
-    __shared__ int row_position[64];
-    __shared__ float row_inv_tau[64];  // NOISY
-    __shared__ unsigned int row_hash[64];
-    for (int m0 = m_start; m0 < M; m0 += 64) {
-        __syncthreads();  // the tile before (keys, then query rows) and its rows read by all
-        load_rows<T, D>(q + r * M_pad * D, tile, m0, M_pad, tid);
+    // this warp's 16 keys as A fragments of k . q^T, kept in registers (rows past n read key n - 1:
+    // their sums are not written); the query rows stream through shared memory
+    const T* key_rows = keys + r * n * D;
+    const int key_lo = k0 + warp * 16 + lane / 4;
+    load_a<T, D>(a, key_rows + (long)min(key_lo, n - 1) * D, key_rows + (long)min(key_lo + 8, n - 1) * D, lane);
+    // row tile t (rows m_start + 64 t) goes to buffer t % 2 with its rows' lse, query positions (-1
+    // past M: no key), noise hashes and temperatures
+    __shared__ float row_lse[2][64];
+    __shared__ int row_position[2][64];
+    __shared__ unsigned int row_hash[2][64];
+    __shared__ float row_inv_tau[2][64];  // NOISY
+    const int m_start = max(0, k0 - first) * G / 64 * 64;  // the first row tile with a query that sees key k0
+    const int row_tiles = (M - m_start + 63) / 64;
+    const T* q_rows = q + r * M_pad * D;
+    auto stage = [&](int t) {
+        const int b = t % 2;
+        load_rows_async<T, D>(q_rows, tile(b), m_start + t * 64, M_pad, tid);
         if (tid < 64) {
-            const int m = m0 + tid;
+            const int m = m_start + t * 64 + tid;
             const int position = first + min(m, M - 1) / G;
-            row_position[tid] = m < M ? position : -1;
-            row_lse[tid] = lse[r * M + min(m, M - 1)];
+            row_position[b][tid] = m < M ? position : -1;
+            row_lse[b][tid] = lse[r * M + min(m, M - 1)];
             if (NOISY) {
-                row_hash[tid] = mix32(streams[r * G + min(m, M - 1) % G] ^ (redraw * (position + 1)));
-                row_inv_tau[tid] = 1.0f / taus[position - first];
+                row_hash[b][tid] = mix32(streams[r * G + min(m, M - 1) % G] ^ (redraw * (position + 1)));
+                row_inv_tau[b][tid] = 1.0f / taus[position - first];
             }
         }
-        __syncthreads();
-        warp_logits<T, D>(a, tile, s, warp);  // s[key][row] = k . q
-        __syncwarp();  // a warp reads only its own keys' rows of s
-        _Pragma("unroll") for (int c4 = 0; c4 < 8; ++c4) {
-            const float4 v = my_logits[c4];
-            const float four[4] = {v.x, v.y, v.z, v.w};
-            _Pragma("unroll") for (int e = 0; e < 4; ++e) {
-                const int i = half * 32 + c4 * 4 + e;
-                float x = (float)(T)four[e];  // rounded as the MLX product in T
-                if (NOISY) x = (x + gumbel_fast(row_hash[i], (unsigned int)key)) * row_inv_tau[i];
-                if (key <= row_position[i]) total += __expf(x - row_lse[i]);
+    };
+    const int key[2] = {key_lo, key_lo + 8};
+    float total[2] = {0.0f, 0.0f};
+    stage(0);
+    for (int t = 0; t < row_tiles; ++t) {
+        if (t + 1 < row_tiles) {
+            stage(t + 1);
+            copies_wait<1>();
+        } else {
+            copies_wait<0>();
+        }
+        __syncthreads();  // tile t and its rows are in, for every thread
+        const int b = t % 2;
+        warp_logits<T, D>(a, tile(b), s, lane);  // s: the warp's keys x the tile's rows
+        _Pragma("unroll") for (int j = 0; j < 8; ++j) {
+            _Pragma("unroll") for (int c = 0; c < 2; ++c) {
+                const int i = 8 * j + col0 + c;  // the row in the tile
+                _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+                    float x = (float)(T)s[j][2 * h + c];  // rounded as the MLX product in T
+                    if (NOISY) x = (x + gumbel_fast(row_hash[b][i], (unsigned int)key[h])) * row_inv_tau[b][i];
+                    if (key[h] <= row_position[b][i]) total[h] += __expf(x - row_lse[b][i]);
+                }
             }
         }
+        __syncthreads();  // every warp is done with tile t before tile t + 2 loads over it
     }
-    // the key's two lanes (l, l + 16) combine
-    total += __shfl_xor_sync(0xffffffffu, total, 16);
-    if (half == 0 && key < n) sums[r * n + key] = total;
+    // a key's four lanes (lane / 4 the same) combine
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+        total[h] += __shfl_xor_sync(0xffffffffu, total[h], 1);
+        total[h] += __shfl_xor_sync(0xffffffffu, total[h], 2);
+        if (lane % 4 == 0 && key[h] < n) sums[r * n + key[h]] = total[h];
+    }
 """
+
 
 _kernels: dict[str, object] = {}
 

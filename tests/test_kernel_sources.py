@@ -183,19 +183,19 @@ def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D, noise)
 
 
 @pytest.mark.parametrize("body, wrong", [
-    ("_ROW_LSE_BODY", ("key <= position[h] ?", "key < position[h] ?")),  # the diagonal left out of a row's softmax
-    ("_COLUMN_SUMS_BODY", ("x = (x + gumbel_fast(row_hash[b][i], (unsigned int)key[h])) * row_inv_tau[b][i]",
-                           "x = x * row_inv_tau[b][i]")),  # no noise in pass 2
-    ("_COLUMN_SUMS_BODY", ("total[h] += __expf(x - row_lse[b][i])",  # a row's logit taken from the wrong register
-                           "total[h] += __expf((float)(T)s[j][2 * (1 - h) + c] - row_lse[b][i])")),
+    ("_HEADER", ("if (MASKED && key > position[h])", "if (MASKED && key >= position[h])")),  # the diagonal left out of a row's softmax
+    ("_HEADER", ("(x + gumbel_fast(row_hash[i], (unsigned int)key[h])) * scale[i]", "x * scale[i]")),  # no noise in pass 2
+    ("_HEADER", ("const float x = s[j][2 * h + c];", "const float x = s[j][2 * (1 - h) + c];")),  # a logit from the wrong register
+    ("_COLUMN_SUMS_BODY", ("if (m0 + 63 < M && first", "if (first")),  # padding rows counted
     ("_HEADER", ("a[k][2] = *reinterpret_cast<const P*>(lo + k * 16 + 8);",  # an A fragment from the wrong row
                  "a[k][2] = *reinterpret_cast<const P*>(hi + k * 16 + 8);")),
 ])
 def test_the_prompt_scores_check_catches_a_wrong_kernel(emulated_cuda, monkeypatch, body, wrong):
     assert wrong[0] in getattr(prompt_kernels, body)
     monkeypatch.setattr(prompt_kernels, body, getattr(prompt_kernels, body).replace(*wrong))
-    with pytest.raises(AssertionError, match="scores"):
-        test_prompt_scores_run_as_the_reference(None, 2, 3, 40, 70, 32, "redraw")
+    with pytest.raises(AssertionError, match="scores"):  # noisy ragged tiles; then few queries late in a prompt
+        for case in ((2, 3, 40, 70, 32, "redraw"), (2, 1, 5, 130, 16, None)):
+            test_prompt_scores_run_as_the_reference(None, *case)
 
 
 def test_prompt_kernels_draw_keyformers_noise(emulated_cuda):

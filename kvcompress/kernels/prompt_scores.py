@@ -106,8 +106,8 @@ __device__ __forceinline__ float gumbel_fast(unsigned int step_hash, unsigned in
     const unsigned int h = mix32(step_hash ^ position);
     const float u = fminf(((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f), 1.0f - 5.9604644775390625e-08f);
     const float v = 1.0f - u;
-    const float w = v < 0.001953125f ? v * (1.0f + v * (0.5f + v * (1.0f / 3.0f)))  // -log(1 - v), error v^4 / 4
-                                     : -0.69314718f * __log2f(u);
+    float w = -0.69314718f * __log2f(u);
+    if (v < 0.001953125f) w = v * (1.0f + v * (0.5f + v * (1.0f / 3.0f)));  // -log(1 - v), error v^4 / 4; rare: a branch
     return -0.69314718f * __log2f(w);
 }
 // two elements of T in one 32-bit register, as the tensor cores take fp16 / bf16 (the CPU emulator
@@ -115,6 +115,30 @@ __device__ __forceinline__ float gumbel_fast(unsigned int step_hash, unsigned in
 struct FloatPair { float x, y; };
 template <int BYTES> struct PairOf { typedef unsigned int type; };
 template <> struct PairOf<4> { typedef FloatPair type; };
+#define LOG2E 1.4426950408889634f
+// a logit pair rounded to T and back, as the MLX product in T rounds its logits
+template <typename T> __device__ __forceinline__ void round_pair(float& x, float& y) { x = (float)(T)x; y = (float)(T)y; }
+#ifdef __CUDACC__
+// one conversion instruction for the pair each way
+template <> __device__ __forceinline__ void round_pair<__half>(float& x, float& y) {
+    const float2 r = __half22float2(__floats2half2_rn(x, y));
+    x = r.x;
+    y = r.y;
+}
+template <> __device__ __forceinline__ void round_pair<__nv_bfloat16>(float& x, float& y) {
+    const float2 r = __bfloat1622float2(__floats2bfloat162_rn(x, y));
+    x = r.x;
+    y = r.y;
+}
+// 2^x, the hardware's approximation (what __expf uses after its multiply by log2(e))
+__device__ __forceinline__ float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+inline float exp2_fast(float x) { return std::exp2(x); }
+#endif
 #ifdef __CUDACC__
 // c += a b, one m16n8k16 product of the warp (PTX ISA, "mma.m16n8k16"); lane l holds
 //   a[0..3]: A (16 x 16, row-major) row l / 4 (a0, a2) and l / 4 + 8 (a1, a3), columns 2 (l % 4) + {0, 1} (a0, a1) and + 8 (a2, a3)
@@ -188,6 +212,60 @@ __device__ inline void warp_logits(typename PairOf<sizeof(T)>::type (*a)[4], con
         }
     }
 }
+// one key tile of a row pass, for the lane's two rows (h = 0, 1): the logits s (C fragments: keys
+// key0 + 8j + {0, 1}) rounded as the MLX product in T rounds them, noised, masked past each row's
+// query position (MASKED: a tile across the diagonal) and folded into the rows' running max and sum
+template <typename T, bool NOISY, bool MASKED>
+__device__ __forceinline__ void row_tile(float (*s)[4], int key0, const int* position, const unsigned int* row_hash,
+                                         const float* inv_tau, float* run_max, float* run_sum) {
+    float tile_max[2] = {NEG_INF, NEG_INF};
+    _Pragma("unroll") for (int j = 0; j < 8; ++j) {
+        round_pair<T>(s[j][0], s[j][1]);
+        round_pair<T>(s[j][2], s[j][3]);
+        _Pragma("unroll") for (int e = 0; e < 4; ++e) {
+            const int h = e / 2;
+            const int key = key0 + 8 * j + e % 2;
+            if (NOISY) s[j][e] = (s[j][e] + gumbel_fast(row_hash[h], (unsigned int)key)) * inv_tau[h];
+            if (MASKED && key > position[h]) s[j][e] = NEG_INF;
+            tile_max[h] = fmaxf(tile_max[h], s[j][e]);
+        }
+    }
+    // one rescale of each row's running sum per tile; exp(x - top) as 2^(x log2(e) - top log2(e)):
+    // one fused multiply-add before the hardware's exp2
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+        if (tile_max[h] > NEG_INF) {
+            const float top = fmaxf(run_max[h], tile_max[h]);
+            const float shift = top * LOG2E;
+            run_sum[h] *= exp2_fast(fmaf(run_max[h], LOG2E, -shift));  // 0 * 0 while run_max is still -inf
+            _Pragma("unroll") for (int j = 0; j < 8; ++j) {
+                run_sum[h] += exp2_fast(fmaf(s[j][2 * h], LOG2E, -shift)) + exp2_fast(fmaf(s[j][2 * h + 1], LOG2E, -shift));
+            }
+            run_max[h] = top;
+        }
+    }
+}
+// one row tile of a column pass, for the lane's two keys key[h]: the logits s (C fragments: tile rows
+// col0 + 8j + {0, 1}) rounded, noised, their probabilities exp(x - lse) added to the keys' totals
+// where the row's query sees the key (MASKED: a tile across the diagonal or past the last row).
+// Per tile row i: lse2 = lse log2(e), scale = log2(e) / tau (NOISY), position (-1: no query)
+template <typename T, bool NOISY, bool MASKED>
+__device__ __forceinline__ void column_tile(float (*s)[4], int col0, const int* key, const float* lse2,
+                                            const int* position, const unsigned int* row_hash, const float* scale,
+                                            float* total) {
+    _Pragma("unroll") for (int j = 0; j < 8; ++j) {
+        round_pair<T>(s[j][0], s[j][1]);
+        round_pair<T>(s[j][2], s[j][3]);
+        _Pragma("unroll") for (int c = 0; c < 2; ++c) {
+            const int i = 8 * j + col0 + c;
+            _Pragma("unroll") for (int h = 0; h < 2; ++h) {
+                const float x = s[j][2 * h + c];
+                const float y = NOISY ? (x + gumbel_fast(row_hash[i], (unsigned int)key[h])) * scale[i] - lse2[i]
+                                      : fmaf(x, LOG2E, -lse2[i]);
+                if (!MASKED || key[h] <= position[i]) total[h] += exp2_fast(y);
+            }
+        }
+    }
+}
 // (max, sum of exp(x - max)) of a row's logits, `other`'s folded into `mine`
 __device__ __forceinline__ void merge_softmax(float& max_mine, float& sum_mine, float max_other, float sum_other) {
     const float top = fmaxf(max_mine, max_other);
@@ -238,7 +316,8 @@ _ROW_LSE_BODY = _COMMON + """
         run_max[h] = NEG_INF;
         run_sum[h] = 0.0f;
     }
-    const int last = first + (min(m0 + 63, M - 1)) / G;  // the tile's last query sees keys 0..last
+    const int first_position = first + m0 / G;  // the block's first query
+    const int last = first + (min(m0 + 63, M - 1)) / G;  // its last query sees keys 0..last
     const int key_tiles = last / 64 + 1;
     const T* key_rows = keys + r * n * D;
     load_rows_async<T, D>(key_rows, tile(0), 0, n, tid);
@@ -251,28 +330,10 @@ _ROW_LSE_BODY = _COMMON + """
         }
         __syncthreads();  // tile t is in, for every thread
         warp_logits<T, D>(a, tile(t % 2), s, lane);
-        // the lane's 2 x 16 logits: rounded as the MLX product in T, noised, masked past the
-        // query's position; their max first, then one rescale of each row's running sum per tile
-        float tile_max[2] = {NEG_INF, NEG_INF};
-        _Pragma("unroll") for (int j = 0; j < 8; ++j) {
-            _Pragma("unroll") for (int e = 0; e < 4; ++e) {
-                const int h = e / 2;
-                const int key = t * 64 + 8 * j + col0 + e % 2;
-                float value = (float)(T)s[j][e];
-                if (NOISY) value = (value + gumbel_fast(row_hash[h], (unsigned int)key)) * inv_tau[h];
-                s[j][e] = key <= position[h] ? value : NEG_INF;
-                tile_max[h] = fmaxf(tile_max[h], s[j][e]);
-            }
-        }
-        _Pragma("unroll") for (int h = 0; h < 2; ++h) {
-            if (tile_max[h] > NEG_INF) {
-                const float top = fmaxf(run_max[h], tile_max[h]);
-                run_sum[h] *= __expf(run_max[h] - top);  // 0 * 0 while run_max is still -inf
-                _Pragma("unroll") for (int j = 0; j < 8; ++j) {
-                    run_sum[h] += __expf(s[j][2 * h] - top) + __expf(s[j][2 * h + 1] - top);
-                }
-                run_max[h] = top;
-            }
+        if (t * 64 + 63 <= first_position) {  // every row of the block sees every key of the tile
+            row_tile<T, NOISY, false>(s, t * 64 + col0, position, row_hash, inv_tau, run_max, run_sum);
+        } else {
+            row_tile<T, NOISY, true>(s, t * 64 + col0, position, row_hash, inv_tau, run_max, run_sum);
         }
         __syncthreads();  // every warp is done with tile t before tile t + 2 loads over it
     }
@@ -294,12 +355,12 @@ _COLUMN_SUMS_BODY = _COMMON + """
     const T* key_rows = keys + r * n * D;
     const int key_lo = k0 + warp * 16 + lane / 4;
     load_a<T, D>(a, key_rows + (long)min(key_lo, n - 1) * D, key_rows + (long)min(key_lo + 8, n - 1) * D, lane);
-    // row tile t (rows m_start + 64 t) goes to buffer t % 2 with its rows' lse, query positions (-1
-    // past M: no key), noise hashes and temperatures
-    __shared__ float row_lse[2][64];
+    // row tile t (rows m_start + 64 t) goes to buffer t % 2 with its rows' lse (times log2(e)), query
+    // positions (-1 past M: no key), noise hashes and log2(e) / tau
+    __shared__ float row_lse2[2][64];
     __shared__ int row_position[2][64];
     __shared__ unsigned int row_hash[2][64];
-    __shared__ float row_inv_tau[2][64];  // NOISY
+    __shared__ float row_scale[2][64];  // NOISY
     const int m_start = max(0, k0 - first) * G / 64 * 64;  // the first row tile with a query that sees key k0
     const int row_tiles = (M - m_start + 63) / 64;
     const T* q_rows = q + r * M_pad * D;
@@ -310,10 +371,10 @@ _COLUMN_SUMS_BODY = _COMMON + """
             const int m = m_start + t * 64 + tid;
             const int position = first + min(m, M - 1) / G;
             row_position[b][tid] = m < M ? position : -1;
-            row_lse[b][tid] = lse[r * M + min(m, M - 1)];
+            row_lse2[b][tid] = lse[r * M + min(m, M - 1)] * LOG2E;
             if (NOISY) {
                 row_hash[b][tid] = mix32(streams[r * G + min(m, M - 1) % G] ^ (redraw * (position + 1)));
-                row_inv_tau[b][tid] = 1.0f / taus[position - first];
+                row_scale[b][tid] = LOG2E / taus[position - first];
             }
         }
     };
@@ -330,15 +391,11 @@ _COLUMN_SUMS_BODY = _COMMON + """
         __syncthreads();  // tile t and its rows are in, for every thread
         const int b = t % 2;
         warp_logits<T, D>(a, tile(b), s, lane);  // s: the warp's keys x the tile's rows
-        _Pragma("unroll") for (int j = 0; j < 8; ++j) {
-            _Pragma("unroll") for (int c = 0; c < 2; ++c) {
-                const int i = 8 * j + col0 + c;  // the row in the tile
-                _Pragma("unroll") for (int h = 0; h < 2; ++h) {
-                    float x = (float)(T)s[j][2 * h + c];  // rounded as the MLX product in T
-                    if (NOISY) x = (x + gumbel_fast(row_hash[b][i], (unsigned int)key[h])) * row_inv_tau[b][i];
-                    if (key[h] <= row_position[b][i]) total[h] += __expf(x - row_lse[b][i]);
-                }
-            }
+        const int m0 = m_start + t * 64;
+        if (m0 + 63 < M && first + m0 / G >= k0 + 63) {  // every row of the tile sees every key of the block
+            column_tile<T, NOISY, false>(s, col0, key, row_lse2[b], row_position[b], row_hash[b], row_scale[b], total);
+        } else {
+            column_tile<T, NOISY, true>(s, col0, key, row_lse2[b], row_position[b], row_hash[b], row_scale[b], total);
         }
         __syncthreads();  // every warp is done with tile t before tile t + 2 loads over it
     }

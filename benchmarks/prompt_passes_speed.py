@@ -2,11 +2,12 @@
 row's log-sum-exp, then each key's column sums, plain (H2O) and with Keyformer's noise, for one layer
 of 8 KV heads x 4 query heads, D 128, fp16, a whole prompt of each length. CUDA only.
 
-    python benchmarks/prompt_passes_speed.py [--tokens 8192 32768] [--reps 5] [--against OLD.py]
+    python benchmarks/prompt_passes_speed.py [--tokens 8192 32768] [--reps 5] [--against OLD.py ...]
 
---against times another version of kvcompress/kernels/prompt_scores.py (a file, e.g. from `git show
-REV:kvcompress/kernels/prompt_scores.py > old.py`) in the same process, the two taking turns each
-repetition, and prints this tree's time over it.
+--against times other versions of kvcompress/kernels/prompt_scores.py (files, e.g. from `git show
+REV:kvcompress/kernels/prompt_scores.py > old.py`) in the same process, all taking turns each
+repetition; prints each one's time over this tree's and how far its column sums are from this tree's
+(max |difference| over max |sum|).
 """
 
 from __future__ import annotations
@@ -83,29 +84,36 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--against", metavar="FILE", help="another kernels/prompt_scores.py, timed in turn")
+    parser.add_argument("--against", metavar="FILE", nargs="+", default=[],
+                        help="other kernels/prompt_scores.py files, timed in turn")
     args = parser.parse_args()
     if args.reps < 1 or any(n < 64 for n in args.tokens):
         parser.error("--reps must be >= 1 and every --tokens >= 64")
-    if args.against and not Path(args.against).is_file():
-        parser.error(f"--against: no file {args.against}")
+    for path in args.against:
+        if not Path(path).is_file():
+            parser.error(f"--against: no file {path}")
     if dispatch.gpu_backend() != "cuda":
         sys.exit("prompt_passes_speed: the kernels run on CUDA only")
-    versions = [kernels] + ([load_kernels(args.against)] if args.against else [])
+    versions = [kernels] + [load_kernels(path) for path in args.against]
     print(f"mlx {mx.__version__} {mx.default_device()}; {R} KV heads x {G}, D {D}, float16; median of {args.reps}")
-    against = " | ms before | x faster" if args.against else ""
-    print(f"| tokens | noise | pass | ms | G logits/s{against} |")
-    print("|---|---|---|---|---|" + ("---|---|" if args.against else ""))
+    for i, path in enumerate(args.against, 1):
+        print(f"version {i}: {path}")
+    print("| tokens | noise | pass | ms | G logits/s |" + "".join(f" v{i} ms | v{i} / this | v{i} diff |"
+                                                           for i in range(1, len(versions))))
+    print("|---|---|---|---|---|" + "---|---|---|" * (len(versions) - 1))
     for n in args.tokens:
         for noisy in (False, True):
             for p, name in enumerate(("row_lse", "column_sums")):
                 # each version's column pass reads its own row pass's lse
-                ms = median_ms([passes(module, n, noisy)[p] for module in versions], args.reps)
+                launches = [passes(module, n, noisy)[p] for module in versions]
+                ms = median_ms(launches, args.reps)
                 logits = R * G * n * n / 2  # the causal half
-                row = f"| {n} | {'keyformer' if noisy else 'none'} | {name} | {ms[0]:.1f} | {logits / ms[0] / 1e6:.0f}"
-                if args.against:
-                    row += f" | {ms[1]:.1f} | {ms[1] / ms[0]:.2f}"
-                print(row + " |", flush=True)
+                row = f"| {n} | {'keyformer' if noisy else 'none'} | {name} | {ms[0]:.1f} | {logits / ms[0] / 1e6:.0f} |"
+                mine = launches[0]()
+                for other, other_ms in zip(launches[1:], ms[1:]):
+                    diff = (mx.abs(other() - mine).max() / mx.abs(mine).max()).item()
+                    row += f" {other_ms:.1f} | {other_ms / ms[0]:.2f} | {diff:.1e} |"
+                print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ the MLX reference on machines without a GPU. What it cannot show: GPU speed, mem
 that the barriers here hide, the GPU's math library (expf/logf here are glibc's).
 
 Only what the kernels in kvcompress/kernels use is shimmed (32-bit shuffles, barriers, a few
-float built-ins, the tensor-core product `Mma<T>::run` and the asynchronous copies; `__half` is not:
-run the float32 instantiations). The product (mma.sync m16n8k16 on a GPU) exchanges the warp's
-fragments through memory and gives each lane the C elements PTX's fragment layout gives it, so a
-kernel that reads its logits from the wrong lane or register fails here as on the GPU; the copies
-(cp.async) are plain copies, done when issued.
+float built-ins, the tensor-core product `Mma<T>::run`, `load_matrices_x4` and the asynchronous
+copies; `__half` is not: run the float32 instantiations). The product (mma.sync m16n8k16 on a GPU)
+and the matrix load (ldmatrix.x4) exchange the warp's fragments or row addresses through memory and
+give each lane the elements PTX's fragment layouts give it, so a kernel that reads its logits from
+the wrong lane or register fails here as on the GPU; the copies (cp.async) are plain copies, done
+when issued.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ struct __half { unsigned short bits; __half() {} __half(float) {} operator float
 """
 
 RUNTIME = r"""
-struct Warp { std::unique_ptr<std::barrier<>> bar; uint32_t exchange[32]; float mma_a[32][8], mma_b[32][4]; };
+struct Warp { std::unique_ptr<std::barrier<>> bar; uint32_t exchange[32]; float mma_a[32][8], mma_b[32][4];
+             const void* matrix_rows[32]; };
 static std::vector<Warp> g_warps;
 static std::unique_ptr<std::barrier<>> g_block;
 thread_local int t_warp, t_lane;
@@ -105,6 +107,17 @@ template <typename T> struct Mma {
         std::memcpy(c, out, 16);
     }
 };
+// ldmatrix.x4 on float pairs: lanes 8i .. 8i + 7 give the row addresses of matrix i (8 x 8 elements);
+// lane l takes row l / 4's elements 2 (l % 4) + {0, 1} of matrix i in r[i]
+template <typename P, typename T> void load_matrices_x4(P* r, const T* row) {
+    static_assert(sizeof(P) == 2 * sizeof(T), "a register holds two elements");
+    Warp& w = g_warps[t_warp];
+    w.matrix_rows[t_lane] = row;
+    w.bar->arrive_and_wait();
+    for (int i = 0; i < 4; ++i)
+        std::memcpy(&r[i], static_cast<const T*>(w.matrix_rows[8 * i + t_lane / 4]) + 2 * (t_lane % 4), sizeof(P));
+    w.bar->arrive_and_wait();  // everyone has read before the next addresses are written
+}
 // cp.async: the copy done at once (so the waits have nothing to wait for)
 inline void copy16_async(void* shared, const void* global, bool valid) {
     if (valid) std::memcpy(shared, global, 16); else std::memset(shared, 0, 16);

@@ -187,6 +187,7 @@ def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D, noise)
     ("_HEADER", ("(x + gumbel_fast(row_hash[i], (unsigned int)key[h])) * scale[i]", "x * scale[i]")),  # no noise in pass 2
     ("_HEADER", ("const float x = s[j][2 * h + c];", "const float x = s[j][2 * (1 - h) + c];")),  # a logit from the wrong register
     ("_COLUMN_SUMS_BODY", ("if (m0 + 63 < M && first", "if (first")),  # padding rows counted
+    ("_HEADER", ("8 * ((lane / 8) % 2)", "8 * ((lane / 16) % 2)")),  # ldmatrix: the wrong head-dim half
     ("_HEADER", ("a[k][2] = *reinterpret_cast<const P*>(lo + k * 16 + 8);",  # an A fragment from the wrong row
                  "a[k][2] = *reinterpret_cast<const P*>(hi + k * 16 + 8);")),
 ])

@@ -104,7 +104,11 @@ _HEADER = """
 // (v just above 2^-9), ~1e-7 typically: far below the logits' own rounding in fp16 / bf16.
 __device__ __forceinline__ float gumbel_fast(unsigned int step_hash, unsigned int position) {
     const unsigned int h = mix32(step_hash ^ position);
-    const float u = fminf(((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f), 1.0f - 5.9604644775390625e-08f);
+    // u = ((h >> 8) + 0.5) / 2^24 rounded once, as gumbel() has it, without converting an integer to a
+    // float (as slow as a logarithm): the top 23 bits as 1.m - 1 (exact), then the 24th and the half
+    const float u = fminf((__uint_as_float(0x3f800000u | (h >> 9)) - 1.0f)
+                              + ((h & 0x100u) ? 8.940696716308594e-08f : 2.9802322387695312e-08f),
+                          1.0f - 5.9604644775390625e-08f);
     const float v = 1.0f - u;
     float w = -0.69314718f * __log2f(u);
     if (v < 0.001953125f) w = v * (1.0f + v * (0.5f + v * (1.0f / 3.0f)));  // -log(1 - v), error v^4 / 4; rare: a branch
@@ -169,13 +173,22 @@ __device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_
 template <int PENDING> __device__ __forceinline__ void copies_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
 }
+// four 8 x 8 matrices of 16-bit elements from shared memory in one instruction (ldmatrix.x4): lanes
+// 8i .. 8i + 7 give the row addresses of matrix i; lane l gets row l / 4's elements 2 (l % 4) + {0, 1}
+// of matrix i in r[i], the layout of a B fragment's register
+template <typename P, typename T> __device__ __forceinline__ void load_matrices_x4(P* r, const T* row) {
+    const unsigned int address = (unsigned int)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
+}
 #endif
 // rows row0 .. row0 + 63 of a [count, D] matrix into a shared tile [64][D + 8], zeros past count:
 // 16-byte asynchronous copies (a row of D * sizeof(T) bytes is a whole number of them), one group
 template <typename T, int D>
 __device__ inline void load_rows_async(const T* matrix, T* tile, int row0, int count, int tid) {
     constexpr int PER_ROW = D * (int)sizeof(T) / 16;
-    for (int e = tid; e < 64 * PER_ROW; e += 128) {
+    _Pragma("unroll") for (int i = 0; i < 64 * PER_ROW / 128; ++i) {
+        const int e = tid + 128 * i;
         const int j = e / PER_ROW;
         const bool valid = row0 + j < count;
         copy16_async(reinterpret_cast<uint4*>(tile + j * (D + 8)) + e % PER_ROW,
@@ -198,17 +211,21 @@ __device__ inline void load_a(typename PairOf<sizeof(T)>::type (*a)[4], const T*
     }
 }
 // the warp's 16 x 64 logits: its 16 rows (A fragments) times the 64 rows of a shared tile ([64][D + 8],
-// row-major: the column-major B of a . tile^T); s[j] holds the lane's C elements of columns 8j .. 8j + 7
+// row-major: the column-major B of a . tile^T); s[j] holds the lane's C elements of columns 8j .. 8j + 7.
+// One ldmatrix.x4 brings the B fragments of two column blocks (j, j + 1) for a 16-deep product: lane l
+// addresses row l % 8 of matrix l / 8 (keys 8j + l % 8 for matrices 0, 1 and 8 (j + 1) + l % 8 for
+// 2, 3; head-dim elements 16k + {0, 8})
 template <typename T, int D>
 __device__ inline void warp_logits(typename PairOf<sizeof(T)>::type (*a)[4], const T* tile, float (*s)[4], int lane) {
     typedef typename PairOf<sizeof(T)>::type P;
     _Pragma("unroll") for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-    const T* column = tile + (lane / 4) * (D + 8) + 2 * (lane % 4);
+    const T* rows = tile + (lane % 8 + 8 * (lane / 16)) * (D + 8) + 8 * ((lane / 8) % 2);
     _Pragma("unroll") for (int k = 0; k < D / 16; ++k) {
-        _Pragma("unroll") for (int j = 0; j < 8; ++j) {
-            const T* b = column + j * 8 * (D + 8) + k * 16;
-            const P fragment[2] = {*reinterpret_cast<const P*>(b), *reinterpret_cast<const P*>(b + 8)};
-            Mma<T>::run(s[j], a[k], fragment);
+        _Pragma("unroll") for (int j = 0; j < 8; j += 2) {
+            P b[4];
+            load_matrices_x4(b, rows + j * 8 * (D + 8) + k * 16);
+            Mma<T>::run(s[j], a[k], b);
+            Mma<T>::run(s[j + 1], a[k], b + 2);
         }
     }
 }

@@ -12,8 +12,9 @@ times `step_ms`; the host time to build a step's graph is reported too) and pipe
 puts the machine's drift (clocks, host load: single runs moved by up to 1.5x between calls) on
 every cache alike; x full is the ratio to the full cache's time in the same round (median and
 range over the rounds). Also: resident KV MiB after prefill (`kvcompress.memory.live_kv_bytes`),
-prefill seconds (each cache first runs a throw-away 2k prefill so JIT compilation and kernel
-self-tests stay out of the timings; `--prefill-rounds` timed prefills per cache, taking turns as the
+prefill seconds (an untimed full-cache prefill at each context first, and each cache first runs a
+throw-away 2k prefill, so JIT compilation, kernel self-tests and the first long prefill's slowness stay
+out of the timings; `--prefill-rounds` timed prefills per cache, taking turns as the
 decode rounds do, x full per round), peak memory (the weights plus this cache's prefill) and which
 kernel paths ran.
 
@@ -224,6 +225,10 @@ def main():
     prefill(model, kvcompress.make_cache(model, "full"), list(range(2100)))  # JIT warm-up, not timed
     rows = []
     for T in args.contexts:
+        # an untimed prefill at this length first: the process's first one runs ~2x slower (H200, 32k:
+        # 2.77 s, then 1.27-1.57 s), and the cache timed first (the full cache) would pay for it
+        prefill(model, kvcompress.make_cache(model, "full"), prompts(model, args.batch, T))
+        gc.collect()
         labels = [(label, None) for label in args.caches]
         if classes:
             labels += [(label, args.against) for label in args.caches if label != "full"]

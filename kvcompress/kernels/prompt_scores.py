@@ -9,29 +9,33 @@ kvcompress/methods/prompt_scores.py computes it in MLX tiles: a matmul writes ea
 then a compiled chain, a softmax and a column sum each read and write it again; at 32k (8 KV heads
 x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200 and Keyformer's ~4.4x
 (benchmarks/EVICTION_GPU_NOTES.md): the tiles' memory traffic, not their arithmetic, bounds it.
-Here two kernels keep every logit on the chip (FlashAttention's two-pass form, Dao et al. 2022):
+Here two kernels keep every logit on the chip (FlashAttention's two-pass form, Dao et al. 2022, in
+FlashAttention-2's layout, Dao 2023):
 
-1. `row_lse`: one block per 64 query rows, their fragments in registers; over tiles of 64 keys
-   streamed through shared memory, the logits q . k from tensor-core products (wmma 16x16x16,
-   float accumulation) go through shared memory to the threads, which keep each row's running max
-   and sum: the row's log-sum-exp lse_m.
-2. `column_sums`: one block per 64 keys, their fragments in registers; over tiles of 64 query rows
-   that see any of them, streamed the same way, the products k . q, then exp(x_mj - lse_m) summed
-   along each key's row of the tile.
+1. `row_lse`: one block per 64 query rows, each warp's 16 as tensor-core A fragments in registers;
+   over tiles of 64 keys streamed through shared memory (cp.async, two buffers: the next tile loads
+   while this one computes), the logits q . k from m16n8k16 products (mma.sync, float
+   accumulation) stay in the lanes' registers, which keep each row's running max and sum: the row's
+   log-sum-exp lse_m.
+2. `column_sums`: one block per 64 keys as the A fragments; over tiles of 64 query rows that see any
+   of them, streamed the same way, the products k . q, then exp(x_mj - lse_m) summed along each
+   key's row of the tile.
 
 Each pass is one product per (query row, key) pair on tensor cores and no tile leaves the chip; a
 prefill attention computes the same products once more for its output. The rows are query-major
 (row m = query i, head g: m = i * G + g), so a 64-row tile holds 64 / G consecutive queries and the
-causal limit of a tile is tight. The logits are rounded to the model's dtype before the softmax,
-as the MLX path's product in that dtype rounds them.
+causal limit of a tile is tight; only tiles across the diagonal pay for the mask. The logits are
+rounded to the model's dtype before the softmax, as the MLX path's product in that dtype rounds them.
 
 CUDA only (fp16 / bf16: what tensor cores take), head dims 16..128 in steps of 16; Metal and the
-rest run the MLX path. Also run on the CPU by tests/cuda_on_cpu.py (whose wmma stand-in keeps a
-whole tile per thread, float32 instantiations); scripts/cuda_compile_check.py compiles them for
-sm_90. Its dispatch self-test guards it (a compile error or a wrong number there: the MLX path
-runs). Measured on the H200 (benchmarks/EVICTION_GPU_NOTES.md): one layer at 32k, 8 KV heads x
-4, D 128, fp16, the two passes 25 + 36 ms for H2O (the MLX tiles: 131; SDPA's causal attention over
-the same prompt: 14) and 48 + 53 ms with Keyformer's noise.
+rest run the MLX path. Also run on the CPU by tests/cuda_on_cpu.py (whose product and matrix loads
+follow PTX's fragment layouts lane by lane, float32 instantiations); scripts/cuda_compile_check.py
+compiles them for sm_90. Its dispatch self-test guards it (a compile error or a wrong number there:
+the MLX path runs). Measured on the H200 (benchmarks/EVICTION_GPU_NOTES.md, stop 17): one layer at
+32k, 8 KV heads x 4, D 128, fp16, the two passes 17.6 + 17.8 ms for H2O (stop 15's wmma kernels,
+whose logits went through shared memory: 25.9 + 37.6; the MLX tiles: 131; SDPA's causal attention
+over the same prompt: 14) and 36.6 + 37.4 ms with Keyformer's noise (47.8 + 52.5). The passes issue
+an instruction in ~55% of cycles at 4 blocks (16 warps) an SM, bound by registers (127-150 a thread).
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __log2f(float x) { return std::log2(x); }
+inline float exp2_fast(float x) { return std::exp2(x); }  // kernels/prompt_scores.py's ex2.approx
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct __half { unsigned short bits; __half() {} __half(float) {} operator float() const { return 0.0f; } };

@@ -182,7 +182,7 @@ def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D, noise)
     np.testing.assert_allclose(np.array(got.sum(axis=1)), G * L, rtol=1e-5)  # each query's probabilities sum to 1
 
 
-@pytest.mark.parametrize("body, wrong", [
+@pytest.mark.parametrize("source, wrong", [
     ("_HEADER", ("if (MASKED && key > position[h])", "if (MASKED && key >= position[h])")),  # the diagonal left out of a row's softmax
     ("_HEADER", ("(x + gumbel_fast(row_hash[i], (unsigned int)key[h])) * scale[i]", "x * scale[i]")),  # no noise in pass 2
     ("_HEADER", ("const float x = s[j][2 * h + c];", "const float x = s[j][2 * (1 - h) + c];")),  # a logit from the wrong register
@@ -191,9 +191,9 @@ def test_prompt_scores_run_as_the_reference(emulated_cuda, R, G, L, n, D, noise)
     ("_HEADER", ("a[k][2] = *reinterpret_cast<const P*>(lo + k * 16 + 8);",  # an A fragment from the wrong row
                  "a[k][2] = *reinterpret_cast<const P*>(hi + k * 16 + 8);")),
 ])
-def test_the_prompt_scores_check_catches_a_wrong_kernel(emulated_cuda, monkeypatch, body, wrong):
-    assert wrong[0] in getattr(prompt_kernels, body)
-    monkeypatch.setattr(prompt_kernels, body, getattr(prompt_kernels, body).replace(*wrong))
+def test_the_prompt_scores_check_catches_a_wrong_kernel(emulated_cuda, monkeypatch, source, wrong):
+    assert wrong[0] in getattr(prompt_kernels, source)
+    monkeypatch.setattr(prompt_kernels, source, getattr(prompt_kernels, source).replace(*wrong))
     with pytest.raises(AssertionError, match="scores"):  # noisy ragged tiles; then few queries late in a prompt
         for case in ((2, 3, 40, 70, 32, "redraw"), (2, 1, 5, 130, 16, None)):
             test_prompt_scores_run_as_the_reference(None, *case)

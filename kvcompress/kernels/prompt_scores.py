@@ -126,6 +126,7 @@ template <> struct PairOf<4> { typedef FloatPair type; };
 #define LOG2E 1.4426950408889634f
 // a logit pair rounded to T and back, as the MLX product in T rounds its logits
 template <typename T> __device__ __forceinline__ void round_pair(float& x, float& y) { x = (float)(T)x; y = (float)(T)y; }
+// The GPU's own instructions (PTX); the CPU emulator (tests/cuda_on_cpu.py) has its own of each
 #ifdef __CUDACC__
 // one conversion instruction for the pair each way
 template <> __device__ __forceinline__ void round_pair<__half>(float& x, float& y) {
@@ -144,10 +145,6 @@ __device__ __forceinline__ float exp2_fast(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-#else
-inline float exp2_fast(float x) { return std::exp2(x); }
-#endif
-#ifdef __CUDACC__
 // c += a b, one m16n8k16 product of the warp (PTX ISA, "mma.m16n8k16"); lane l holds
 //   a[0..3]: A (16 x 16, row-major) row l / 4 (a0, a2) and l / 4 + 8 (a1, a3), columns 2 (l % 4) + {0, 1} (a0, a1) and + 8 (a2, a3)
 //   b[0..1]: B (16 x 8, column-major) rows 2 (l % 4) + {0, 1} (b0) and + 8 (b1), column l / 4

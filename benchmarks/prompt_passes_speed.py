@@ -6,8 +6,8 @@ of 8 KV heads x 4 query heads, D 128, fp16, a whole prompt of each length. CUDA 
 
 --against times other versions of kvcompress/kernels/prompt_scores.py (files, e.g. from `git show
 REV:kvcompress/kernels/prompt_scores.py > old.py`) in the same process, all taking turns each
-repetition; prints each one's time over this tree's and how far its column sums are from this tree's
-(max |difference| over max |sum|).
+repetition; prints each one's time over this tree's and how far each pass's output (the rows' lse, the
+keys' sums) is from this tree's (max |difference| over max |value|).
 """
 
 from __future__ import annotations
@@ -103,9 +103,10 @@ def main():
     print("|---|---|---|---|---|" + "---|---|---|" * (len(versions) - 1))
     for n in args.tokens:
         for noisy in (False, True):
+            # each version's inputs (the same seeded draws) and row pass's lse, which its column pass reads
+            pass_pairs = [passes(module, n, noisy) for module in versions]
             for p, name in enumerate(("row_lse", "column_sums")):
-                # each version's column pass reads its own row pass's lse
-                launches = [passes(module, n, noisy)[p] for module in versions]
+                launches = [pair[p] for pair in pass_pairs]
                 ms = median_ms(launches, args.reps)
                 logits = R * G * n * n / 2  # the causal half
                 row = f"| {n} | {'keyformer' if noisy else 'none'} | {name} | {ms[0]:.1f} | {logits / ms[0] / 1e6:.0f} |"
@@ -114,6 +115,7 @@ def main():
                     diff = (mx.abs(other() - mine).max() / mx.abs(mine).max()).item()
                     row += f" {other_ms:.1f} | {other_ms / ms[0]:.2f} | {diff:.1e} |"
                 print(row, flush=True)
+            del pass_pairs
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ dim3_ blockDim, gridDim;  // set per launch
 #define __shared__ static
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned int __float_as_uint(float f) { unsigned int i; std::memcpy(&i, &f, 4); return i; }
 // correctly rounded single operations: plain float arithmetic here (g++ on x86-64 does not contract
 // them into FMAs without -mfma or -ffp-contract=fast)
 inline float __fadd_rn(float a, float b) { return a + b; }

@@ -133,11 +133,16 @@ def test_kivi_decode_attention_runs_as_the_reference(emulated_cuda, key_bits, va
     assert_close(got, want, "output", atol=1e-5)
 
 
-@pytest.mark.parametrize("bits, per_channel", [(2, False), (4, True), (8, False), (2, True)])
-def test_kivi_quantize_pack_is_bit_exact(emulated_cuda, bits, per_channel):
-    x = mx.random.normal((2, 3, 256, 64), key=mx.random.key(bits))
-    got = kivi_quant.quantize_pack_kernel(x, bits, 32, per_channel, "cuda")
-    assert_equal(got, kivi_quant.quantize_pack_reference(x, bits, 32, per_channel), "codes, scales, zeros")
+@pytest.mark.parametrize("bits, G, per_channel", [(2, 32, False), (4, 64, False), (8, 128, False), (2, 32, True),
+                                                  (4, 32, True), (8, 64, True), (2, 128, True)])
+def test_kivi_quantize_pack_is_bit_exact(emulated_cuda, bits, G, per_channel):
+    # shapes that leave part of the last warp idle; per channel, 44 channels (11 loads of 4 floats)
+    shape = (3, 2 * G, 44) if per_channel else (3, 7, 3 * G)
+    x = mx.random.normal(shape, key=mx.random.key(bits)) * 3
+    x = mx.where(mx.arange(shape[-1]) % 7 == 0, mx.round(x * 2) / 2, x)  # quotients exactly on half-integers
+    x = mx.concatenate([x[:1] * 0 + 1.5, x[1:]])  # constant groups: scale 0, codes 0
+    got = kivi_quant.quantize_pack_kernel(x, bits, G, per_channel, "cuda", init_value=3.0)
+    assert_equal(got, kivi_quant.quantize_pack_reference(x, bits, G, per_channel), "codes, scales, zeros")
 
 
 @pytest.mark.parametrize("compact, traditional", [(False, False), (True, False), (True, True)])

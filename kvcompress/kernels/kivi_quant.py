@@ -16,7 +16,9 @@ for bit):
 
 `quantize_pack` goes through kvcompress/kernels/dispatch.py: a CUDA kernel (`mx.fast.cuda_kernel`,
 tested on an H200) or a Metal kernel (`mx.fast.metal_kernel`, same body, UNTESTED here: no Apple
-GPU available), each used only after a bit-exact self-test on first use; on CPU the MLX reference.
+GPU available), each used only after a bit-exact self-test on first use, for 2/4/8-bit codes (3-bit
+codes and rows the kernel's loads do not tile run the reference, see `kernel_supported`); on CPU the
+MLX reference.
 """
 
 from __future__ import annotations
@@ -97,171 +99,174 @@ def _reference(x: mx.array, bits: int, group_size: int, per_channel: bool):
     return packed, scale.squeeze(-1), lo.astype(x.dtype).squeeze(-1)
 
 
-# One thread per group; WORDS code words per group (a group's bit stream is whole words).
-# dims = [n_groups, C (innermost length of x), L (quantized-axis length), channel tiles, group tiles].
-# Per token (values): a thread reads its G contiguous elements with 16-byte vector loads, twice
-# (min/max, then codes; the second pass hits the cache); its words and scale are contiguous with
-# its neighbours'. Per channel (keys): a block takes 32 channels x GT token groups; consecutive
-# threads take consecutive channels of one token row (coalesced reads), and the block stages its
-# codes and scales in shared memory so each channel's row of words is written contiguously.
+# Warp-cooperative: each lane owns pieces of 8 consecutive codes of a group, so P = G / 8
+# neighbouring lanes hold a group and meet by shuffles (the group's min and max; two lanes' 16-bit
+# pieces into one 2-bit word). Every element is read once, with 16-byte loads, all of a lane's loads
+# issued before any is used. dims = [pieces, C (innermost length of x), L (quantized-axis length)].
+# Per token (values): groups tile the flat input, so piece i is elements [8i, 8i + 8); a lane takes
+# ITEMS = 4 pieces 32 apart (its fixed work, the group's scale and reciprocal, spread over 32 codes),
+# so each warp load reads 512 contiguous bytes and each warp store writes contiguous words.
+# Per channel (keys): piece (p, chunk) is tokens [8p, 8p + 8) of a group for CV = 16 / sizeof(T)
+# channels (one 16-byte load per token: a warp load covers 32 / P token rows x 16 P bytes); a lane
+# takes one (64 elements already) and writes each channel's 8 codes into that channel's row of K^T.
+# 3-bit codes straddle words (a lane's 24 bits are no whole piece of one): the reference runs them.
 _BODY = """
-    constexpr int WORDS = GROUP * BITS / 32;
-    constexpr int GT = (WORDS <= 8) ? 8 : 4;
-    constexpr int VEC = 16 / sizeof(T);
+    constexpr int P = GROUP / 8;
+    constexpr int VEC = 16 / (int)sizeof(T);
+    constexpr int CV = PER_CHANNEL ? VEC : 1;
+    constexpr int ITEMS = PER_CHANNEL ? 1 : 4;
+    using V = typename kq_pick<PER_CHANNEL, T, float>::type;  // per channel: as loaded (half the registers)
+    const long pieces = dims[0];
     const long C = dims[1];
     const long L = dims[2];
-    const long groups_per_row = L / GROUP;
-    const long words_per_row = groups_per_row * WORDS;
+    const int p = (int)(gid % P);  // this lane's place in its groups (the same for all its pieces)
     const float levels = (float)((1 << BITS) - 1);
-    float lo = 0.0f;
-    float hi = 0.0f;
-    unsigned int words[WORDS];
-    KQ_UNROLL for (int w = 0; w < WORDS; ++w) words[w] = 0u;
-    if (PER_CHANNEL) {
-        KQ_SHARED unsigned int w_s[32 * GT * WORDS];
-        KQ_SHARED T s_s[32 * GT];
-        KQ_SHARED T z_s[32 * GT];
-        const long n_ctiles = dims[3];
-        const long n_gtiles = dims[4];
-        const long gt = tile % n_gtiles;
-        const long ct = (tile / n_gtiles) % n_ctiles;
-        const long outer = tile / n_gtiles / n_ctiles;
-        const int cl = tid % 32;
-        const int gl = tid / 32;
-        const long d = ct * 32 + cl;
-        const long g = gt * GT + gl;
-        if (d < C && g < groups_per_row) {
-            const long in_base = (outer * L + g * GROUP) * C + d;
-            lo = static_cast<float>(x[in_base]);
-            hi = lo;
-            KQ_UNROLL for (int i = 1; i < GROUP; ++i) {  // unrolled: the GROUP loads are issued together
-                const float v = static_cast<float>(x[in_base + i * C]);
-                lo = FMIN(lo, v);
-                hi = FMAX(hi, v);
+
+    bool active[ITEMS];  // pieces past the end are whole groups: they take part in shuffles only
+    long piece[ITEMS];   // pieces before this one: per token in the flat stream, per channel in its rows
+    long group[ITEMS];   // per token: the flat group index; per channel: the group along its rows
+    long row[ITEMS];     // per channel: the first of its CV rows of K^T; per token: 0
+    V v[ITEMS][8 * CV];  // code i of channel j at v[k][i * CV + j]
+    KQ_UNROLL for (int k = 0; k < ITEMS; ++k) {
+        const long idx = gid / 32 * (32 * ITEMS) + 32 * k + gid % 32;
+        active[k] = idx < pieces;
+        long src = idx * 8;
+        piece[k] = idx;
+        group[k] = idx / P;
+        row[k] = 0;
+        if (PER_CHANNEL) {  // idx = ((outer * L / G + group) * C / CV + chunk) * P + p; 32-bit: _plan checks
+            const unsigned int chunks = (unsigned int)(C / CV);
+            const unsigned int groups = (unsigned int)(L / GROUP);
+            const unsigned int group_chunk = (unsigned int)(idx / P);
+            const long c0 = (long)(group_chunk % chunks) * CV;
+            const unsigned int outer_group = group_chunk / chunks;
+            const long outer = outer_group / groups;
+            group[k] = outer_group % groups;
+            src = (outer * L + group[k] * GROUP + 8 * p) * C + c0;
+            piece[k] = group[k] * P + p;
+            row[k] = outer * C + c0;
+        }
+        KQ_UNROLL for (int i = 0; i < 8 * CV; ++i) v[k][i] = static_cast<V>(0.0f);
+        if (active[k]) {
+            if (PER_CHANNEL) {
+                KQ_UNROLL for (int i = 0; i < 8; ++i) { KQ_LOAD16(x + src + i * C, v[k] + i * CV) }
+            } else {
+                KQ_UNROLL for (int i = 0; i < 8; i += VEC) { KQ_LOAD16(x + src + i, v[k] + i) }
+            }
+        }
+    }
+
+    KQ_UNROLL for (int k = 0; k < ITEMS; ++k) {
+        KQ_UNROLL for (int j = 0; j < CV; ++j) {
+            float lo = static_cast<float>(v[k][j]);
+            float hi = lo;
+            KQ_UNROLL for (int i = 1; i < 8; ++i) {
+                lo = FMIN(lo, static_cast<float>(v[k][i * CV + j]));
+                hi = FMAX(hi, static_cast<float>(v[k][i * CV + j]));
+            }
+            KQ_UNROLL for (int off = 1; off < P; off *= 2) {
+                lo = FMIN(lo, SHFL_XOR(lo, off));
+                hi = FMAX(hi, SHFL_XOR(hi, off));
             }
             const T scale_t = static_cast<T>(FDIV(hi - lo, levels));
             const float s = static_cast<float>(scale_t);
-            const float inv = (s > 0.0f) ? FDIV(1.0f, s) : 0.0f;
-            KQ_UNROLL for (int i = 0; i < GROUP; ++i) {
-                float q = 0.0f;
-                if (s > 0.0f) {
-                    const float v = static_cast<float>(x[in_base + i * C]);
-                    q = KQ_CODE(v - lo, s, inv, levels);
+            const float inv = (s > 0.0f) ? FDIV(1.0f, s) : 0.0f;  // scale 0: every quotient 0, every code 0
+            float q[8];  // quotients
+            float t[8];  // quotient + 2^23: rounded, the code in its low bits
+            bool near_half = false;
+            KQ_UNROLL for (int i = 0; i < 8; ++i) {
+                q[i] = FMUL_RN(static_cast<float>(v[k][i * CV + j]) - lo, inv);
+                t[i] = q[i] + KQ_MAGIC;
+                near_half = near_half || KQ_NEAR_HALF(q[i], t[i]);
+            }
+            if (near_half) {  // rare: the correctly rounded division decides (see _CODE_RULE)
+                KQ_UNROLL for (int i = 0; i < 8; ++i) {
+                    if (KQ_NEAR_HALF(q[i], t[i])) t[i] = FDIV(static_cast<float>(v[k][i * CV + j]) - lo, s) + KQ_MAGIC;
                 }
-                const unsigned int c = (unsigned int)q;
-                const int bit = i * BITS;
-                words[bit / 32] |= c << (bit % 32);
-                if ((bit % 32) + BITS > 32) words[bit / 32 + 1] |= c >> (32 - (bit % 32));
             }
-            KQ_UNROLL for (int w = 0; w < WORDS; ++w) w_s[(cl * GT + gl) * WORDS + w] = words[w];
-            s_s[cl * GT + gl] = scale_t;
-            z_s[cl * GT + gl] = static_cast<T>(lo);
-        }
-        KQ_BARRIER();
-        for (int i = tid; i < 32 * GT * WORDS; i += 32 * GT) {
-            const int c2 = i / (GT * WORDS);
-            const int k = i % (GT * WORDS);
-            const long d2 = ct * 32 + c2;
-            const long word = gt * GT * WORDS + k;
-            if (d2 < C && word < words_per_row) packed[(outer * C + d2) * words_per_row + word] = w_s[i];
-        }
-        {
-            const int c2 = tid / GT;
-            const int k = tid % GT;
-            const long d2 = ct * 32 + c2;
-            const long g2 = gt * GT + k;
-            if (d2 < C && g2 < groups_per_row) {
-                scales[(outer * C + d2) * groups_per_row + g2] = s_s[c2 * GT + k];
-                zeros[(outer * C + d2) * groups_per_row + g2] = z_s[c2 * GT + k];
+            // codes are the words' fields: adding each field's biased code (its bits of t, clipped to
+            // levels) and taking the bias off at once is the same arithmetic mod 2^32 as or-ing codes
+            unsigned int w0 = 0u;
+            unsigned int w1 = 0u;
+            KQ_UNROLL for (int i = 0; i < 8; ++i) {
+                const unsigned int biased = min(FLOAT_BITS(t[i]), KQ_MAGIC_BITS + (1u << BITS) - 1u);
+                if (i * BITS < 32) w0 += biased << (i * BITS);
+                else w1 += biased << (i * BITS - 32);
             }
-        }
-    } else {
-        if (gid >= dims[0]) return;
-        const long g = gid % groups_per_row;
-        const long out_row = gid / groups_per_row;
-        const KQ_DEVICE T* src = x + out_row * L + g * GROUP;
-        lo = static_cast<float>(src[0]);
-        hi = lo;
-        KQ_UNROLL for (int i = 0; i < GROUP; i += VEC) {
-            KQ_VEC_LOAD(src + i)
-            KQ_UNROLL for (int k = 0; k < VEC; ++k) {
-                const float v = static_cast<float>(buf[k]);
-                lo = FMIN(lo, v);
-                hi = FMAX(hi, v);
+            KQ_UNROLL for (int i = 0; i < 8; ++i) {
+                if (i * BITS < 32) w0 -= KQ_MAGIC_BITS << (i * BITS);
+                else w1 -= KQ_MAGIC_BITS << (i * BITS - 32);
+            }
+            const long r = row[k] + j;
+            KQ_DEVICE unsigned int* dst = packed + r * (L * BITS / 32);
+            if (BITS == 2) {
+                const unsigned int next = SHFL_XOR(w0, 1);
+                if (active[k] && p % 2 == 0) dst[piece[k] / 2] = w0 | (next << 16);
+            } else if (active[k]) {
+                dst[piece[k] * (BITS / 4)] = w0;
+                if (BITS == 8) dst[piece[k] * 2 + 1] = w1;
+            }
+            if (active[k] && (PER_CHANNEL ? j % P == p : p == 0)) {  // one lane writes each group's scale and zero
+                scales[r * (L / GROUP) + group[k]] = scale_t;
+                zeros[r * (L / GROUP) + group[k]] = static_cast<T>(lo);
             }
         }
-        const T scale_t = static_cast<T>(FDIV(hi - lo, levels));
-        const float s = static_cast<float>(scale_t);
-        const float inv = (s > 0.0f) ? FDIV(1.0f, s) : 0.0f;
-        KQ_UNROLL for (int i = 0; i < GROUP; i += VEC) {
-            KQ_VEC_LOAD(src + i)
-            KQ_UNROLL for (int k = 0; k < VEC; ++k) {
-                float q = 0.0f;
-                if (s > 0.0f) q = KQ_CODE(static_cast<float>(buf[k]) - lo, s, inv, levels);
-                const unsigned int c = (unsigned int)q;
-                const int bit = (i + k) * BITS;
-                words[bit / 32] |= c << (bit % 32);
-                if ((bit % 32) + BITS > 32) words[bit / 32 + 1] |= c >> (32 - (bit % 32));
-            }
-        }
-        KQ_UNROLL for (int w = 0; w < WORDS; ++w) packed[out_row * words_per_row + g * WORDS + w] = words[w];
-        scales[out_row * groups_per_row + g] = scale_t;
-        zeros[out_row * groups_per_row + g] = static_cast<T>(lo);
     }
 """
 
 # The code of one value, in both backends: round_half_even(d / s) clipped to [0, levels], bit for bit
-# as the reference's float32 division. The quotient comes from a multiply by the group's reciprocal
-# (within ~3 ulp: < 5e-5 absolute below 256); only where it lies within 1e-3 of a half-integer, where
-# that error could round the other way, does the correctly rounded division decide. A division costs
-# ~10 instructions per element, the multiply one.
-_CODE_MACRO = """
-#define KQ_CODE(d, s, inv, levels) \\
-    FMIN(FMAX(RINT((FABS((d) * (inv) - FLOOR((d) * (inv)) - 0.5f) < 1e-3f) ? FDIV((d), (s)) : (d) * (inv)), 0.0f), (levels))
+# as the reference's float32 division (_CODE_RULE). The quotient is a product with the group's
+# reciprocal (two roundings: within 2^-23 relative of the division, < 3.1e-5 absolute below 257);
+# only where it lies within 1e-4 of a half-integer, where that error could round the other way,
+# does the correctly rounded division decide (a division is ~10 instructions, the product one; a
+# warp takes the division's branch when any of its lanes needs it, ~5% of warps at this window). Adding 2^23 to a quotient in
+# [0, 2^22) rounds it half to even (as rint) and leaves the integer in the low mantissa bits: the
+# code without a float-to-int conversion, which issues at a fraction of the add's rate.
+_CODE_RULE = """
+template <bool B, typename A, typename F> struct kq_pick { using type = A; };
+template <typename A, typename F> struct kq_pick<false, A, F> { using type = F; };
+#define KQ_MAGIC 8388608.0f
+#define KQ_MAGIC_BITS 0x4B000000u
+#define KQ_NEAR_HALF(q, t) (FABS((q) - ((t) - KQ_MAGIC)) > 0.4999f)
 """
 
 # The body spells float ops as macros; each backend's header defines them. CUDA: __fdiv_rn is the
-# IEEE round-to-nearest division even under fast-math flags, rintf rounds half to even.
+# IEEE round-to-nearest division even under fast-math flags.
 CUDA_HEADER = """
 #define FDIV(a, b) __fdiv_rn((a), (b))
 #define FMIN fminf
 #define FMAX fmaxf
-#define RINT rintf
-#define FLOOR floorf
 #define FABS fabsf
+#define FLOAT_BITS __float_as_uint
+#define FMUL_RN __fmul_rn
+#define SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
 
-#define KQ_SHARED __shared__
-#define KQ_BARRIER() __syncthreads()
 #define KQ_DEVICE
 #define KQ_UNROLL _Pragma("unroll")
-#define KQ_VEC_LOAD(p) const uint4 raw_ = *reinterpret_cast<const uint4*>(p); const T* buf = reinterpret_cast<const T*>(&raw_);
-""" + _CODE_MACRO
-CUDA_SOURCE = (
-    "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x; const int tid = threadIdx.x;"
-    " const long tile = blockIdx.x;\n" + _BODY
-)
+#define KQ_LOAD16(p, out) { \\
+    const uint4 raw_ = *reinterpret_cast<const uint4*>(p); \\
+    const T* e_ = reinterpret_cast<const T*>(&raw_); \\
+    KQ_UNROLL for (int k_ = 0; k_ < VEC; ++k_) (out)[k_] = static_cast<V>(e_[k_]); }
+""" + _CODE_RULE
+CUDA_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;\n" + _BODY
 
-# Metal: compiled with math_mode "safe" so `/` is correctly rounded; metal::rint rounds half to
-# even. UNTESTED here (no Apple GPU on these machines); only these macros differ from CUDA, and the
+# Metal: compiled with math_mode "safe" so `/` is correctly rounded; simdgroups of 32 stand in for
+# warps. UNTESTED here (no Apple GPU on these machines); only these macros differ from CUDA, and the
 # dispatch self-tests the kernel bit for bit on first use.
 METAL_HEADER = """
 #define FDIV(a, b) ((a) / (b))
 #define FMIN metal::fmin
 #define FMAX metal::fmax
-#define RINT metal::rint
-#define FLOOR metal::floor
 #define FABS metal::fabs
+#define FLOAT_BITS as_type<uint>
+#define FMUL_RN(a, b) ((a) * (b))
+#define SHFL_XOR(v, m) simd_shuffle_xor((v), (ushort)(m))
 
-#define KQ_SHARED threadgroup
-#define KQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define KQ_DEVICE device
 #define KQ_UNROLL _Pragma("clang loop unroll(full)")
-#define KQ_VEC_LOAD(p) T buf[VEC]; for (int k_ = 0; k_ < VEC; ++k_) buf[k_] = (p)[k_];
-""" + _CODE_MACRO
-METAL_SOURCE = (
-    "const long gid = (long)thread_position_in_grid.x; const int tid = (int)thread_position_in_threadgroup.x;"
-    " const long tile = (long)threadgroup_position_in_grid.x;\n" + _BODY
-)
+#define KQ_LOAD16(p, out) { KQ_UNROLL for (int k_ = 0; k_ < VEC; ++k_) (out)[k_] = static_cast<V>((p)[k_]); }
+""" + _CODE_RULE
+METAL_SOURCE = "const long gid = (long)thread_position_in_grid.x;\n" + _BODY
 
 _kernels: dict[str, object] = {}
 
@@ -280,13 +285,27 @@ def _kernel(backend: str):
     return _kernels[backend]
 
 
+KERNEL_BITS = (2, 4, 8)
+
+
+def kernel_supported(x: mx.array, bits: int, per_channel: bool) -> bool:
+    """Whether the fused kernel covers this call: 2/4/8-bit codes (a lane's 8 codes are a whole
+    piece of a word), and per channel a row of whole 16-byte loads (channels a multiple of 16 /
+    itemsize: 8 in fp16/bf16, 4 in float32)."""
+    return bits in KERNEL_BITS and (not per_channel or x.shape[-1] * x.dtype.size % 16 == 0)
+
+
 def quantize_pack_kernel(
     x: mx.array, bits: int, group_size: int, per_channel: bool = False, backend: str = "cuda", init_value=None
 ):
     """The fused GPU kernel (backend "cuda" or "metal"); same contract as `quantize_pack_reference`.
 
     init_value pre-fills the outputs (tests poison them to prove every element is written)."""
-    return _launch(x, bits, group_size, per_channel, backend, init_value, _check(x, bits, group_size, per_channel))
+    axis_len = _check(x, bits, group_size, per_channel)
+    if not kernel_supported(x, bits, per_channel):
+        raise ValueError(f"the fused kernel takes bits {KERNEL_BITS} and, per channel, a channel count times "
+                         f"the itemsize a multiple of 16 bytes; got bits {bits}, shape {x.shape}, {x.dtype}")
+    return _launch(x, bits, group_size, per_channel, backend, init_value, axis_len)
 
 
 def _launch(x: mx.array, bits: int, group_size: int, per_channel: bool, backend: str, init_value, axis_len: int):
@@ -296,6 +315,9 @@ def _launch(x: mx.array, bits: int, group_size: int, per_channel: bool, backend:
     return packed, scales, zeros
 
 
+THREADS = 256
+
+
 @functools.lru_cache(maxsize=256)
 def _plan(shape: tuple, dtype, bits: int, group_size: int, per_channel: bool, axis_len: int) -> dict:
     """Grid, template, output shapes and the `dims` array of one input shape, made once: a decode
@@ -303,24 +325,20 @@ def _plan(shape: tuple, dtype, bits: int, group_size: int, per_channel: bool, ax
     channels = shape[-1]
     lead = shape[:-2] if per_channel else shape[:-1]
     rows = lead + (channels,) if per_channel else lead
-    n_rows = 1
-    for r in rows:
-        n_rows *= r
-    groups_per_row = axis_len // group_size
-    n_groups = n_rows * groups_per_row
-    if per_channel:  # blocks of 32 channels x GT groups (GT as in the kernel body)
-        group_tile = 8 if group_size * bits // 32 <= 8 else 4
-        threads = 32 * group_tile
-        c_tiles, g_tiles = -(-channels // 32), -(-groups_per_row // group_tile)
-        grid = (n_rows // channels * c_tiles * g_tiles * threads, 1, 1)
-    else:
-        threads, c_tiles, g_tiles = 256, 0, 0
-        grid = ((n_groups + threads - 1) // threads * threads, 1, 1)
-    dims = mx.array((n_groups, channels, axis_len, c_tiles, g_tiles), dtype=mx.int64)
+    elements = channels
+    for n in shape[:-1]:
+        elements *= n
+    # pieces of 8 codes (per channel: 8 tokens x 16 bytes of channels), ITEMS a lane, whole warps
+    pieces = elements // 8 // (16 // dtype.size if per_channel else 1)
+    if pieces >= 2**31:
+        raise ValueError(f"quantize_pack: {elements} elements in one call; the kernel indexes pieces of 8 in 32 bits")
+    items = 1 if per_channel else 4
+    lanes = -(-pieces // (32 * items)) * 32
+    dims = mx.array((pieces, channels, axis_len), dtype=mx.int64)
     launch = dict(
         template=[("T", dtype), ("BITS", bits), ("GROUP", group_size), ("PER_CHANNEL", per_channel)],
-        grid=grid,
-        threadgroup=(threads, 1, 1),
+        grid=(-(-lanes // THREADS) * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
         output_shapes=[rows + (axis_len * bits // 32,), rows + (axis_len // group_size,), rows + (axis_len // group_size,)],
         output_dtypes=[mx.uint32, dtype, dtype],
     )
@@ -342,8 +360,12 @@ def _selftest(backend: str, dtype, bits: int, group_size: int, per_channel: bool
 
 
 def quantize_pack(x: mx.array, bits: int, group_size: int, per_channel: bool = False):
-    """KIVI quantize-and-pack on the fused kernel where it passed its self-test, else the reference."""
+    """KIVI quantize-and-pack on the fused kernel where it covers the call and passed its self-test,
+    else the reference."""
     axis_len = _check(x, bits, group_size, per_channel)  # once: a decode step calls this per layer
+    if not kernel_supported(x, bits, per_channel):
+        dispatch.record_reference("kivi_quantize_pack", x.dtype)
+        return _reference(x, bits, group_size, per_channel)
     backend = dispatch.select("kivi_quantize_pack", x.dtype, (bits, group_size, per_channel),
                               lambda b: _selftest(b, x.dtype, bits, group_size, per_channel))
     if backend is None:

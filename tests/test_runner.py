@@ -196,3 +196,33 @@ def test_a_method_revision_changes_only_that_methods_run_ids():
     h2o = run_config(context, sample, method_config("h2o", budget=0.5))
     assert keyformer["method_revision"] == 1 and "method_revision" not in h2o
     assert run_id(keyformer) != run_id({k: v for k, v in keyformer.items() if k != "method_revision"})
+
+
+def test_a_gpu_process_warms_each_method_once_untimed_and_the_results_do_not_change(embedded, monkeypatch):
+    # on a GPU the first call of each kernel compiles it (seconds): the runner runs the reference and
+    # each (method, protocol) once untimed first. Simulated here (nothing compiles on a CPU): the
+    # warm-up must leave every number the runs record, timings aside, exactly as without it
+    from kvcompress import runner
+
+    model, tokenizer = embedded
+    params = {"task": "niah_single_2", "context_tokens": 256, "num_samples": 1, "seed": 1}
+    sample = load_dataset("ruler", tokenizer=tokenizer, **params)[0]
+    methods = [method_config("keyformer", budget=96), method_config("kivi", bits=4, residual=32)]
+    protocols = ("query_aware", "query_agnostic")
+    plain = run_sample(model, tokenizer, sample, methods, context_for("ruler", params, 3), protocols=protocols)
+
+    warmed = []
+    monkeypatch.setattr(runner, "warm_up_needed", lambda: True)
+    monkeypatch.setattr(runner, "_warmed", set())
+    real_warm_up = runner.warm_up
+    monkeypatch.setattr(runner, "warm_up", lambda model, method, *args: (warmed.append(method.label()),
+                                                                          real_warm_up(model, method, *args)))
+    first = run_sample(model, tokenizer, sample, methods, context_for("ruler", params, 3), protocols=protocols)
+    again = run_sample(model, tokenizer, sample, methods, context_for("ruler", params, 3), protocols=protocols)
+    assert sorted(warmed) == sorted(m.label() for m in methods for _ in protocols)  # once per process
+    assert "reference" in runner._warmed
+    for records in (first, again):
+        for a, b in zip(plain, records):
+            assert (a.run["run_id"], a.run["prediction"], a.run["score"]) == (b.run["run_id"], b.run["prediction"],
+                                                                             b.run["score"])
+            assert [(s["token"], s["kl"], s["nll"]) for s in a.steps] == [(s["token"], s["kl"], s["nll"]) for s in b.steps]

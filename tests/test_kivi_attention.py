@@ -86,11 +86,23 @@ def test_fused_coverage():
     assert not fused_supported(q32, mixed, v32, None, 2, 2)  # one dtype for everything
 
 
-def test_cpu_dispatch_runs_the_reference_and_records_it():
+def test_cpu_dispatch_runs_the_cpu_kernel_after_its_self_test_and_records_it(monkeypatch):
     if GPU is not None:
         pytest.skip("CPU-only check")
+    dispatch.forget_verdicts()
     dispatch.reset_paths()
     q, keys, values = random_case(2, 2, 32, 64, 3, 1, mx.float32)
+    out = decode_attention(q, keys, values, 0.125, None, 2, 2, 32)
+    assert rel_l2(out, decode_attention_reference(q, keys, values, 0.125, None, 2, 2, 32)) < 1e-5
+    assert dispatch.paths_used() == {"kivi_decode_attention/cpu/float32": "fused"}
+    # what the kernel does not cover, and a forced reference, run the reference and say so
+    dispatch.reset_paths()
+    q16, k16, v16 = random_case(2, 2, 32, 64, 3, 1, mx.float16)
+    out = decode_attention(q16, k16, v16, 0.125, None, 2, 2, 32)
+    assert mx.array_equal(out, decode_attention_reference(q16, k16, v16, 0.125, None, 2, 2, 32)).item()
+    assert dispatch.paths_used() == {"kivi_decode_attention/cpu/float16": "reference"}
+    monkeypatch.setenv(dispatch.ENV, "reference")
+    dispatch.reset_paths()
     out = decode_attention(q, keys, values, 0.125, None, 2, 2, 32)
     assert mx.array_equal(out, decode_attention_reference(q, keys, values, 0.125, None, 2, 2, 32)).item()
     assert dispatch.paths_used() == {"kivi_decode_attention/cpu/float32": "reference"}

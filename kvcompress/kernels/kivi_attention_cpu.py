@@ -260,7 +260,8 @@ def _compile(simd: bool) -> ctypes.CDLL:
     # -march=native: the library is built on the machine that runs it; arm64 compilers spell it -mcpu
     native = "-mcpu=native" if platform.machine() in ("arm64", "aarch64") else "-march=native"
     flags = ["-O3", "-ffast-math", native, "-std=c++17", "-shared", "-fPIC"] + ([] if simd else ["-DKVC_SCALAR"])
-    digest = hashlib.sha256((SOURCE + compiler + " ".join(flags)).encode()).hexdigest()[:16]
+    # -march=native: a library per CPU model too, for a cache directory shared by several machines
+    digest = hashlib.sha256((SOURCE + compiler + " ".join(flags) + _cpu_model()).encode()).hexdigest()[:16]
     path = CACHE / f"kivi_attention_{digest}.so"
     if not path.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
@@ -280,6 +281,13 @@ def _compile(simd: bool) -> ctypes.CDLL:
         ptr, ptr, ptr, i64, i64, i64, ptr,  # key codes, scales, zeros, n, words and groups a row, residual
         ptr, ptr, ptr, i64, i64, ptr, ptr]  # value codes, scales, zeros, n, capacity rows, residual, out
     return library
+
+
+def _cpu_model() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
 def library(simd: bool = True) -> ctypes.CDLL:

@@ -158,7 +158,7 @@ static void attend(const float* __restrict__ q, int M, int D, int L, int causal,
     for (int m = 0; m < M; ++m) {
         float* sm = s.data() + m * T;
         const long last = causal ? T - L + (m % L) : T - 1;
-        float top = -FLT_MAX;  // no infinities: the library is built with -ffast-math
+        float top = -FLT_MAX;
         for (long t = 0; t <= last; ++t) top = sm[t] > top ? sm[t] : top;
         float sum = 0.0f;
         for (long t = 0; t <= last; ++t) {
@@ -259,7 +259,10 @@ def _compile(simd: bool) -> ctypes.CDLL:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++) to build the CPU kernel")
     # -march=native: the library is built on the machine that runs it; arm64 compilers spell it -mcpu
     native = "-mcpu=native" if platform.machine() in ("arm64", "aarch64") else "-march=native"
-    flags = ["-O3", "-ffast-math", native, "-std=c++17", "-shared", "-fPIC"] + ([] if simd else ["-DKVC_SCALAR"])
+    # not -ffast-math: a shared library built with it sets flush-to-zero for the whole process when
+    # loaded (gcc links crtfastmath.o), changing every other float computation in it
+    flags = ["-O3", native, "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+             "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC"] + ([] if simd else ["-DKVC_SCALAR"])
     # -march=native: a library per CPU model too, for a cache directory shared by several machines
     digest = hashlib.sha256((SOURCE + compiler + " ".join(flags) + _cpu_model()).encode()).hexdigest()[:16]
     path = CACHE / f"kivi_attention_{digest}.so"

@@ -246,7 +246,6 @@ extern "C" int kivi_decode_attention(const float* q, float scale, long R, int M,
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcompress" / "cpu"
 FUSED_BITS = (2, 4, 8)
-MAX_ROWS = 8
 
 _libraries: dict[bool, ctypes.CDLL] = {}
 

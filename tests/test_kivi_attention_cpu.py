@@ -38,6 +38,19 @@ def test_cpu_kernel_matches_the_reference(kb, vb, G, D, M, L, n_k, n_v, simd):
     assert got.shape == want.shape and rel_l2(got, want) < 1e-5  # measured 6e-7 to 2e-6: float32 sums
 
 
+def test_cpu_kernel_takes_a_batch():
+    from kvcompress.kernels.kivi_attention import PackedSide
+
+    a, b = (random_case(4, 2, 32, 64, 3, 1, mx.float32, seed=seed) for seed in (1, 2))
+    cat = lambda x, y: mx.concatenate([x, y], axis=0)  # noqa: E731
+    q = cat(a[0], b[0])
+    keys, values = (PackedSide(tuple(cat(x, y) for x, y in zip(a[i].packed, b[i].packed)), a[i].n_packed,
+                               cat(a[i].residual, b[i].residual)) for i in (1, 2))
+    got = decode_attention_cpu(q, keys, values, 0.125, False, 4, 2, 32)
+    assert got.shape == (2, 6, 1, 64)
+    assert rel_l2(got, decode_attention_reference(q, keys, values, 0.125, None, 4, 2, 32)) < 1e-5
+
+
 def test_cpu_kernel_reads_only_the_used_rows_of_spare_value_capacity():
     q, keys, values = random_case(4, 4, 32, 64, 3, 1, mx.float32, T=500, n_k=384, n_v=372)
     spare = tuple(mx.concatenate([a, mx.full((1, 2, 40, a.shape[3]), 7, dtype=a.dtype)], axis=2) for a in values.packed)

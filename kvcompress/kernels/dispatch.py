@@ -1,16 +1,16 @@
 """One dispatch for every fused kernel: self-test on first use, fall back, record the path that ran.
 
 A fused kernel (CUDA or Metal, compiled at run time; for KIVI's decode attention also a C++
-kernel on the CPU) is only trusted after it has matched its MLX reference on this machine. On the first call per (kernel, backend, dtype, variant) -- the variant
-being the template parameters that select a separately compiled instance, such as the code widths
--- `select` runs the kernel's small self-test (a random problem, fused vs reference). If the self-test
-raises (a compile error, wrong numbers), it warns once and that key uses the reference from then
-on, so a Metal source that fails to compile on a user's Mac costs speed, not results.
+kernel on the CPU) is only trusted after it has matched its MLX reference on this machine. On the
+first call per (kernel, backend, dtype, variant) -- the variant being the template parameters that
+select a separately compiled instance, such as the code widths -- `select` runs the kernel's small
+self-test (a random problem, fused vs reference). If the self-test raises (a compile error, wrong
+numbers), it warns once and that key uses the reference from then on, so a Metal source that fails
+to compile on a user's Mac costs speed, not results.
 
 `KVCOMPRESS_KERNELS` forces a path: `reference` (never a fused kernel), `fused` (the fused kernel
 without self-test, for benchmarks and debugging; an error where the kernel has no backend on the
-default device), or unset /
-`auto` (self-test, then fused or reference). Every call records which path ran; the runner stores
+default device), or unset / `auto` (self-test, then fused or reference). Every call records which path ran; the runner stores
 `paths_used()` in each run's `config` (key `kernels`), so a result says whether it came from a
 kernel or from the reference.
 """

@@ -63,12 +63,37 @@ inline float __log2f(float x) { return std::log2(x); }
 inline float exp2_fast(float x) { return std::exp2(x); }  // kernels/prompt_scores.py's ex2.approx
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
-struct __half { unsigned short bits; __half() {} __half(float) {} operator float() const { return 0.0f; } };
+struct alignas(8) uint2 { unsigned int x, y; };
+// fp16 as the GPU stores it, converted with correct rounding through g++'s _Float16
+struct __half {
+    unsigned short bits;
+    __half() {}
+    __half(float f) { const _Float16 h = (_Float16)f; std::memcpy(&bits, &h, 2); }
+    operator float() const { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
+};
+// half2 arithmetic on 32-bit registers (low half = first element), as kivi_attention_mma.py's PTX:
+// one correct rounding each (the operations are exact in double before it)
+inline double half_at(unsigned int x, int i) { _Float16 h; const unsigned short b = x >> (16 * i); std::memcpy(&h, &b, 2); return (double)h; }
+inline unsigned int half_bits(double v) { const _Float16 h = (_Float16)v; unsigned short b; std::memcpy(&b, &h, 2); return b; }
+inline unsigned int h2_of(double lo, double hi) { return half_bits(lo) | (half_bits(hi) << 16); }
+inline unsigned int h2_sub(unsigned int a, unsigned int b) { return h2_of(half_at(a, 0) - half_at(b, 0), half_at(a, 1) - half_at(b, 1)); }
+inline unsigned int h2_mul(unsigned int a, unsigned int b) { return h2_of(half_at(a, 0) * half_at(b, 0), half_at(a, 1) * half_at(b, 1)); }
+inline unsigned int h2_fma(unsigned int a, unsigned int b, unsigned int c) {
+    return h2_of(half_at(a, 0) * half_at(b, 0) + half_at(c, 0), half_at(a, 1) * half_at(b, 1) + half_at(c, 1));
+}
+inline unsigned int h2_pack(float lo, float hi) { return h2_of((double)(_Float16)lo, (double)(_Float16)hi); }
+// PTX prmt / __byte_perm: byte i of the result is byte (s >> 4i) & 7 of {y, x}
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    const uint64_t v = ((uint64_t)y << 32) | x;
+    unsigned int r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned int)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return r;
+}
 """
 
 RUNTIME = r"""
 struct Warp { std::unique_ptr<std::barrier<>> bar; uint32_t exchange[32]; float mma_a[32][8], mma_b[32][4];
-             const void* matrix_rows[32]; };
+             uint32_t h_a[32][4], h_b[32][2]; const void* matrix_rows[32]; };
 static std::vector<Warp> g_warps;
 static std::unique_ptr<std::barrier<>> g_block;
 thread_local int t_warp, t_lane;
@@ -109,6 +134,41 @@ template <typename T> struct Mma {
         std::memcpy(c, out, 16);
     }
 };
+// mma.sync.m16n8k16 with fp16 fragments (32-bit registers of two halves), fp32 accumulation:
+// the layouts of Mma above, element e of a register in its 16-bit half e
+inline void mma_f16(float* c, const unsigned int* a, const unsigned int* b) {
+    Warp& w = g_warps[t_warp];
+    std::memcpy(w.h_a[t_lane], a, 16);
+    std::memcpy(w.h_b[t_lane], b, 8);
+    w.bar->arrive_and_wait();
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        const int row = t_lane / 4 + 8 * (e / 2), col = 2 * (t_lane % 4) + e % 2;
+        float acc = c[e];
+        for (int k = 0; k < 16; ++k) {
+            const double x = half_at(w.h_a[(row % 8) * 4 + (k % 8) / 2][(k / 8) * 2 + row / 8], k % 2);
+            const double y = half_at(w.h_b[col * 4 + (k % 8) / 2][k / 8], k % 2);
+            acc += (float)(x * y);
+        }
+        out[e] = acc;
+    }
+    w.bar->arrive_and_wait();
+    std::memcpy(c, out, 16);
+}
+// movmatrix.m8n8.trans.b16: lane 4 r + k holds row r, columns 2k, 2k + 1 of an 8 x 8 matrix of
+// 16-bit elements, and gets the same of its transpose
+inline unsigned int movmatrix_trans(unsigned int x) {
+    Warp& w = g_warps[t_warp];
+    w.exchange[t_lane] = x;
+    w.bar->arrive_and_wait();
+    unsigned int y = 0;
+    for (int h = 0; h < 2; ++h) {  // element (row r, column 2k + h) of the transpose = (2k + h, r)
+        const int i = 2 * (t_lane % 4) + h, j = t_lane / 4;
+        y |= ((w.exchange[4 * i + j / 2] >> (16 * (j % 2))) & 0xFFFFu) << (16 * h);
+    }
+    w.bar->arrive_and_wait();
+    return y;
+}
 // ldmatrix.x4 on float pairs: lanes 8i .. 8i + 7 give the row addresses of matrix i (8 x 8 elements);
 // lane l takes row l / 4's elements 2 (l % 4) + {0, 1} of matrix i in r[i]
 template <typename P, typename T> void load_matrices_x4(P* r, const T* row) {
@@ -165,7 +225,7 @@ template <typename X> void save(const char* path, const std::vector<X>& v) {
 }
 """
 
-C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t",
+C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t",
            np.dtype(np.int64): "int64_t"}
 
 
@@ -221,7 +281,7 @@ _binaries: dict[str, Path] = {}  # program text -> its build (files are read fro
 
 # -- mx.fast.cuda_kernel on the CPU -------------------------------------------------------------
 
-_MX_C_TYPES = {"float32": "float", "int32": "int32_t", "uint32": "uint32_t"}
+_MX_C_TYPES = {"float32": "float", "float16": "__half", "int32": "int32_t", "uint32": "uint32_t"}
 
 
 class EmulatedKernel:

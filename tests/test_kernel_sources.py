@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuda_on_cpu
-from kvcompress.kernels import evict, kivi_attention, kivi_quant
+from kvcompress.kernels import evict, kivi_attention, kivi_attention_mma, kivi_quant
 from kvcompress.kernels import prompt_scores as prompt_kernels
 from kvcompress.kernels import scored_attention as kernel
 from kvcompress.kernels.kivi_attention import CUDA_HEADER
@@ -24,6 +24,7 @@ def emulated_cuda(monkeypatch, tmp_path):
     """mx.fast.cuda_kernel runs kernels on the CPU; the kernel modules build theirs anew."""
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_on_cpu.emulated(tmp_path))
     for module, cache in ((evict, "_kernels"), (evict, "_slot_kernels"), (kivi_attention, "_kernels"),
+                          (kivi_attention_mma, "_kernels"),
                           (kivi_quant, "_kernels"), (kernel, "_kernels"), (prompt_kernels, "_kernels")):
         monkeypatch.setattr(module, cache, {})
 
@@ -131,6 +132,32 @@ def test_kivi_decode_attention_runs_as_the_reference(emulated_cuda, key_bits, va
     want = kivi_attention.decode_attention_reference(q, keys, values, 64**-0.5, "causal" if causal else None,
                                                      key_bits, value_bits, 32)
     assert_close(got, want, "output", atol=1e-5)
+
+
+def relative_l2(got, want) -> float:
+    got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+# the tensor-core kernel (fp16 fragments: the emulator's mma, movmatrix and half2 arithmetic) with the
+# scalar kernel taking the rest of the tokens, against dequantize-then-attend in float32
+@pytest.mark.parametrize("key_bits, value_bits, G, D, M, L, causal, steps_per_warp", [
+    (2, 2, 32, 64, 4, 1, False, 1),
+    (4, 4, 32, 64, 4, 1, False, 3),  # warps without steps
+    (2, 4, 64, 128, 8, 2, True, 1),
+    (4, 2, 32, 32, 3, 1, False, 2),  # rows that fill part of the fragments
+])
+def test_kivi_decode_attention_tensor_cores_run_as_the_reference(emulated_cuda, key_bits, value_bits, G, D, M, L,
+                                                                  causal, steps_per_warp):
+    q, keys, values = kivi_attention.random_case(key_bits, value_bits, G, D, M, L, mx.float16, seed=key_bits + D,
+                                                 T=900, n_k=896 if G == 64 else 832, n_v=780)
+    assert kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, 900, L, causal) == 768
+    got = kivi_attention.decode_attention_fused(q, keys, values, D**-0.5, causal, key_bits, value_bits, G, "cuda",
+                                                tiles_per_block=1, tensor_cores=True, steps_per_warp=steps_per_warp)
+    want = kivi_attention.decode_attention_reference(q.astype(mx.float32), kivi_attention._as_f32(keys),
+                                                     kivi_attention._as_f32(values), D**-0.5,
+                                                     "causal" if causal else None, key_bits, value_bits, G)
+    assert relative_l2(got, want) < 1e-3
 
 
 @pytest.mark.parametrize("bits, G, per_channel", [(2, 32, False), (4, 64, False), (8, 128, False), (2, 32, True),

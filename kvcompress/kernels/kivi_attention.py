@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import dispatch
+from . import dispatch, kivi_attention_mma
 from .kivi_attention_cpu import decode_attention_cpu
 from .kivi_attention_cpu import supported as cpu_supported
 
@@ -131,7 +131,9 @@ def decode_attention_reference(queries, keys: PackedSide, values: PackedSide, sc
 # Fused kernel. Template constants: T (dtype of q, scales, zeros, residuals), KB, VB, G, D, M
 # (rows per KV head), L (query positions; rows are rep-major, row m is position m % L), CAUSAL.
 # dims: [T_total, n_k (key codes), n_v (value codes), tiles_per_block, key words per channel row,
-# key groups per channel row, value capacity rows, blocks per (batch, head) row].
+# key groups per channel row, value capacity rows, blocks per (batch, head) row, rows, t_begin (this
+# kernel's first token: the tokens before it are kivi_attention_mma's), that kernel's blocks per row,
+# and its steps per warp].
 
 _ATTN_BODY = """
     constexpr int NW = NT / 32;
@@ -153,6 +155,7 @@ _ATTN_BODY = """
     const int kgrow = dims[5];
     const int vcap = dims[6];
     const int nb = dims[7];
+    const int t_begin = dims[9];
     const int trk = T_total - nk;
     const int trv = T_total - nv;
     const int lane = tid % 32;
@@ -187,7 +190,7 @@ _ATTN_BODY = """
 
     const int tile0 = blk * tiles_per_block;
     for (int tile = tile0; tile < tile0 + tiles_per_block; ++tile) {
-        const int start = tile * TILE;
+        const int start = t_begin + tile * TILE;
         if (start >= T_total) break;
 
         // ---- scores of this tile: lane owns tokens t0..t0+7, warp owns channels [warp*DW, +DW)
@@ -389,9 +392,11 @@ _ATTN_BODY = """
     }
 """
 
-# Combine the blocks of each (batch, head) row: one thread per output element.
+# Combine the blocks of each (batch, head) row, this kernel's and the tensor-core kernel's
+# (kivi_attention_mma.py, dims[10] blocks a row; none where it did not run): one thread per output element.
 _COMBINE_BODY = """
     const int nb = dims[7];
+    const int nbm = dims[10];
     const long total = (long)dims[8] * M * D;
     if (gid >= total) return;
     const int d = gid % D;
@@ -400,6 +405,7 @@ _COMBINE_BODY = """
     const int m = bm % M;
     float gmax = NEG_INF;
     for (int c = 0; c < nb; ++c) gmax = FMAX(gmax, stats[((bh * nb + c) * M + m) * 2]);
+    for (int c = 0; c < nbm; ++c) gmax = FMAX(gmax, st_mma[((bh * nbm + c) * M + m) * 2]);
     float num = 0.0f;
     float den = 0.0f;
     for (int c = 0; c < nb; ++c) {
@@ -408,6 +414,13 @@ _COMBINE_BODY = """
         const float w = EXP2(mc - gmax);
         num += w * o_part[((bh * nb + c) * M + m) * D + d];
         den += w * stats[((bh * nb + c) * M + m) * 2 + 1];
+    }
+    for (int c = 0; c < nbm; ++c) {
+        const float mc = st_mma[((bh * nbm + c) * M + m) * 2];
+        if (mc == NEG_INF) continue;
+        const float w = EXP2(mc - gmax);
+        num += w * o_mma[((bh * nbm + c) * M + m) * D + d];
+        den += w * st_mma[((bh * nbm + c) * M + m) * 2 + 1];
     }
     out[gid] = static_cast<T>(num / den);
 """
@@ -461,7 +474,7 @@ def _kernel(which: str, backend: str):
             name, inputs, outputs = "kivi_decode_attention", _ATTN_INPUTS, ["o_part", "stats"]
             source = CUDA_ATTN_SOURCE if backend == "cuda" else METAL_ATTN_SOURCE
         else:
-            name, inputs, outputs = "kivi_decode_combine", ["o_part", "stats", "dims"], ["out"]
+            name, inputs, outputs = "kivi_decode_combine", ["o_part", "stats", "o_mma", "st_mma", "dims"], ["out"]
             source = CUDA_COMBINE_SOURCE if backend == "cuda" else METAL_COMBINE_SOURCE
         header = CUDA_HEADER if backend == "cuda" else METAL_HEADER
         # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
@@ -489,17 +502,19 @@ def _params(scale: float) -> mx.array:
 
 def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
                            key_bits: int, value_bits: int, group_size: int, backend: str = "cuda",
-                           tiles_per_block: int | None = None) -> mx.array:
-    """The fused kernel; same contract as `decode_attention_reference` for supported inputs."""
+                           tiles_per_block: int | None = None, tensor_cores: bool | None = None,
+                           steps_per_warp: int | None = None) -> mx.array:
+    """The fused kernels; same contract as `decode_attention_reference` for supported inputs.
+
+    On CUDA, where kivi_attention_mma covers the call (fp16, 2/4-bit codes; `tensor_cores=None`:
+    wherever it does), the tensor-core kernel takes the packed tokens [0, n_full) and this module's
+    kernel the rest (residuals, the causal band, a part step); one combine merges their partials."""
     B, n_q, L, D = queries.shape
     n_kv = keys.residual.shape[1]
     M = n_q // n_kv * L
     dtype = queries.dtype
     rows = B * n_kv
     T = keys.n_packed + keys.residual.shape[2]
-    n_tiles = -(-T // TILE)
-    tpb = tiles_per_block or default_tiles_per_block(n_tiles, rows)
-    nb = -(-n_tiles // tpb)
 
     def dummy(dt):
         return mx.zeros((1,), dtype=dt)
@@ -514,25 +529,45 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
         vcap = vc.shape[-2]
     else:
         vc, vs, vz, vcap = dummy(mx.uint32), dummy(dtype), dummy(dtype), 0
+    n_full = 0
+    if backend == "cuda" and tensor_cores is not False and kwrow % 4 == 0 \
+            and kivi_attention_mma.supported(queries, key_bits, value_bits, group_size, M):
+        n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
+    elif tensor_cores:
+        raise ValueError("tensor_cores=True: kivi_attention_mma does not cover this call")
+    n_tiles = -(-(T - n_full) // TILE)
+    tpb = tiles_per_block or default_tiles_per_block(n_tiles, rows)
+    nb = -(-n_tiles // tpb)
+    steps = n_full // kivi_attention_mma.STEP
+    spw = steps_per_warp or kivi_attention_mma.default_steps_per_warp(steps, rows)
+    nbm = -(-steps // (spw * kivi_attention_mma.WARPS)) if steps else 0
     kr = keys.residual if keys.residual.shape[2] else dummy(dtype)
     vr = values.residual if values.residual.shape[2] else dummy(dtype)
     q = queries.reshape(B, n_kv, M, D)  # rows rep-major: row m is query position m % L
-    dims = mx.array([T, keys.n_packed, values.n_packed, tpb, kwrow, kgrow, vcap, nb, rows], dtype=mx.int32)
+    dims_values = [T, keys.n_packed, values.n_packed, tpb, kwrow, kgrow, vcap, nb, rows, n_full, nbm, spw]
+    dims = mx.array(dims_values, dtype=mx.int32)
     params = _params(scale)
-    template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
-                ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
-    o_part, stats = _kernel("attn", backend)(
-        inputs=[q, kc, ks, kz, kr, vc, vs, vz, vr, dims, params],
-        template=template,
-        grid=(nb * THREADS, rows, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(rows, nb, M, D), (rows, nb, M, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
+    header = CUDA_HEADER if backend == "cuda" else METAL_HEADER
+    o_mma, st_mma = dummy(mx.float32), dummy(mx.float32)
+    if nbm:
+        o_mma, st_mma = kivi_attention_mma.partials(q, kc, ks, kz, vc, vs, vz, dims_values, dims, params, key_bits,
+                                                    value_bits, group_size, D, M, rows, header)
+    o_part, stats = dummy(mx.float32), dummy(mx.float32)
+    if nb:
+        template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
+                    ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
+        o_part, stats = _kernel("attn", backend)(
+            inputs=[q, kc, ks, kz, kr, vc, vs, vz, vr, dims, params],
+            template=template,
+            grid=(nb * THREADS, rows, 1),
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[(rows, nb, M, D), (rows, nb, M, 2)],
+            output_dtypes=[mx.float32, mx.float32],
+        )
     total = rows * M * D
     threads = 256
     (out,) = _kernel("combine", backend)(
-        inputs=[o_part, stats, dims],
+        inputs=[o_part, stats, o_mma, st_mma, dims],
         template=[("T", dtype), ("D", D), ("M", M)],
         grid=(-(-total // threads) * threads, 1, 1),
         threadgroup=(threads, 1, 1),

@@ -145,7 +145,7 @@ def relative_l2(got, want) -> float:
     (2, 2, 32, 64, 4, 1, False, 1),
     (4, 4, 32, 64, 4, 1, False, 3),  # warps without steps
     (2, 4, 64, 128, 8, 2, True, 1),
-    (4, 2, 32, 32, 3, 1, False, 2),  # rows that fill part of the fragments
+    (4, 2, 32, 64, 3, 1, False, 2),  # rows that fill part of the fragments
 ])
 def test_kivi_decode_attention_tensor_cores_run_as_the_reference(emulated_cuda, key_bits, value_bits, G, D, M, L,
                                                                   causal, steps_per_warp):

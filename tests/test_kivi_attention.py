@@ -147,6 +147,28 @@ def test_fused_group_sizes_and_long_context():
         assert rel_l2(got, want) <= 2e-3
 
 
+# the tensor-core kernel (kivi_attention_mma.py: CUDA, fp16, 2/4-bit codes) over its template axes,
+# the scalar kernel taking the tokens after its last whole step
+MMA_CASES = [(2, 2, 32, 128, 4, 1), (4, 4, 32, 128, 4, 1), (2, 4, 64, 128, 8, 2), (4, 2, 128, 128, 1, 1),
+             (2, 2, 32, 64, 3, 1), (4, 4, 32, 256, 8, 1)]
+
+
+@pytest.mark.skipif(GPU != "cuda", reason="needs CUDA (the tensor-core kernel is CUDA only)")
+@pytest.mark.parametrize("kb, vb, G, D, M, L", MMA_CASES)
+def test_tensor_cores_match_dequantize_then_attend(kb, vb, G, D, M, L):
+    from kvcompress.kernels import kivi_attention_mma
+
+    T, n_k, n_v = 5000, 4992 // G * G, 4872
+    q, keys, values = random_case(kb, vb, G, D, M, L, mx.float16, seed=kb + 3 * vb + D + M, T=T, n_k=n_k, n_v=n_v)
+    assert kivi_attention_mma.tokens_covered(n_k, n_v, T, L, L > 1) == 4864
+    mask = "causal" if L > 1 else None
+    want = dequantize_then_attend(q, keys, values, D**-0.5, mask, kb, vb, G)
+    for spw in (1, 5):
+        got = decode_attention_fused(q, keys, values, D**-0.5, L > 1, kb, vb, G, GPU, tensor_cores=True,
+                                     steps_per_warp=spw)
+        assert got.dtype == mx.float16 and rel_l2(got, want) <= 1e-3, (kb, vb, G, D, M, L, spw, rel_l2(got, want))
+
+
 @needs_gpu
 def test_dispatch_uses_the_fused_kernel_after_its_self_test(monkeypatch):
     monkeypatch.delenv(dispatch.ENV, raising=False)

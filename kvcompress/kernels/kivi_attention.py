@@ -530,7 +530,9 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     else:
         vc, vs, vz, vcap = dummy(mx.uint32), dummy(dtype), dummy(dtype), 0
     n_full = 0
-    if backend == "cuda" and tensor_cores is not False and kwrow % 4 == 0 \
+    # 16-byte key loads need rows of whole 4-word units; the 32-bit scale loads at G 32 even groups
+    aligned = kwrow % 4 == 0 and (group_size != 32 or kgrow % 2 == 0)
+    if backend == "cuda" and tensor_cores is not False and aligned \
             and kivi_attention_mma.supported(queries, key_bits, value_bits, group_size, M):
         n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
     elif tensor_cores:
@@ -548,16 +550,18 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     dims = mx.array(dims_values, dtype=mx.int32)
     params = _params(scale)
     header = CUDA_HEADER if backend == "cuda" else METAL_HEADER
-    o_mma, st_mma = dummy(mx.float32), dummy(mx.float32)
-    if nbm:
-        o_mma, st_mma = kivi_attention_mma.partials(q, kc, ks, kz, vc, vs, vz, dims_values, dims, params, key_bits,
-                                                    value_bits, group_size, D, M, rows, header)
-    o_part, stats = dummy(mx.float32), dummy(mx.float32)
-    if nb:
-        template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
-                    ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
+    inputs = [q, kc, ks, kz, kr, vc, vs, vz, vr, dims, params]
+    template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
+                ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
+    if nbm:  # one launch: the scalar kernel's blocks and the tensor-core kernel's
+        assert THREADS == kivi_attention_mma.THREADS
+        scalar_body = CUDA_ATTN_SOURCE.split("\n", 1)[1]  # without its first line (tid, blk, bh)
+        o_part, stats, o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, template, D, M, rows, header,
+                                                                   scalar_body)
+    else:
+        o_mma, st_mma = dummy(mx.float32), dummy(mx.float32)
         o_part, stats = _kernel("attn", backend)(
-            inputs=[q, kc, ks, kz, kr, vc, vs, vz, vr, dims, params],
+            inputs=inputs,
             template=template,
             grid=(nb * THREADS, rows, 1),
             threadgroup=(THREADS, 1, 1),

@@ -27,11 +27,11 @@ online softmax per query row. With lane l, r = l / 4 and k = l % 4:
 - outputs O^T [16 channels x 8 rows] = V^T [16 x tokens] . P^T: the value codes are A, from one
   word per token (16 / VB channels a half), the same token order as the scores' (rho). Values
   are quantized per token, so the scale is folded into P (P s, per value group) and the zero's
-  term sum_t p_t z_t is one more product per group (A = z broadcast over 16 channels), kept apart
-  and added at the end: out = sum_t p_t s_t c_t + sum_t p_t z_t.
+  term sum_t p_t z_t is one more product per chunk (A = z broadcast over its 16 channels):
+  out = sum_t p_t s_t c_t + sum_t p_t z_t, exact products of fp16 numbers in fp32 sums.
 At the end the block's warps meet once in shared memory and leave one partial per block.
 
-Supported (`supported`): fp16, key and value bits 2 or 4, D a multiple of 16 up to 256, group size
+Supported (`supported`): fp16, key and value bits 2 or 4, D 64, 128 or 256, group size
 a multiple of 32 dividing D, 1..8 rows. CUDA only: the fragments are PTX's; Metal runs the scalar
 kernel. The CPU emulator (tests/cuda_on_cpu.py) has its own mma, movmatrix and half2 arithmetic,
 so the fragment bookkeeping is tested without a GPU.
@@ -100,9 +100,31 @@ template <int B> __device__ __forceinline__ int rho(int i) {
 // as the fp16 number 1024 + code; `words` are the sub-block's (B = 2: one, B = 4: two)
 template <int B> __device__ __forceinline__ unsigned int codes_pair(const unsigned int* words, int i) {
     constexpr unsigned int MASK = B == 2 ? 0x00030003u : 0x000F000Fu;
-    const unsigned int w = B == 2 ? words[0] : words[i / 4];
+    // a select, not words[i / 4]: a register array indexed at run time would live in local memory
+    const unsigned int w = (B == 2 || i < 4) ? words[0] : words[1];
     const int shift = B == 2 ? 2 * i : 4 * (i % 4);
     return ((w >> shift) & MASK) | 0x64006400u;
+}
+
+// N consecutive 16-bit values (scales or zeros of one row) in N / 2 rounded up 32-bit words, with the
+// widest loads the row's alignment allows (rows of N halves start at multiples of N halves)
+template <int N> __device__ __forceinline__ void load_halves(const unsigned short* p, unsigned int* out) {
+    if (N % 8 == 0) {
+        _Pragma("unroll") for (int j = 0; j < N / 8; ++j) {
+            const uint4 x = reinterpret_cast<const uint4*>(p)[j];
+            out[4 * j] = x.x; out[4 * j + 1] = x.y; out[4 * j + 2] = x.z; out[4 * j + 3] = x.w;
+        }
+    } else if (N % 4 == 0) {
+        const uint2 x = reinterpret_cast<const uint2*>(p)[0];
+        out[0] = x.x; out[1] = x.y;
+    } else if (N % 2 == 0) {
+        out[0] = reinterpret_cast<const unsigned int*>(p)[0];
+    } else {
+        out[0] = p[0];
+    }
+}
+template <int N> __device__ __forceinline__ unsigned int half_of(const unsigned int* words, int j) {
+    return (words[j / 2] >> (16 * (j % 2))) & 0xFFFFu;
 }
 """
 
@@ -141,9 +163,7 @@ BODY = """
     float run_max[2] = {NEG_INF, NEG_INF};  // query rows 2k, 2k + 1 (log2 units)
     float run_sum[2] = {0.0f, 0.0f};              // this lane's share of the sums
     float oc[CH][4];   // O^T [16 channels x 8 rows] per chunk: channels rho(r), rho(r + 8); rows 2k, 2k + 1
-    float zc[NGV][4];  // sum_t p_t z_t per value group (every channel of the group alike)
     _Pragma("unroll") for (int c = 0; c < CH; ++c) { _Pragma("unroll") for (int e = 0; e < 4; ++e) oc[c][e] = 0.0f; }
-    _Pragma("unroll") for (int g = 0; g < NGV; ++g) { _Pragma("unroll") for (int e = 0; e < 4; ++e) zc[g][e] = 0.0f; }
 
     const int step0 = (blk * NW + warp) * spw;
     const int step_end = min(step0 + spw, n_steps);
@@ -164,9 +184,15 @@ BODY = """
                     w[i][j] = x.x; w[i][j + 1] = x.y; w[i][j + 2] = x.z; w[i][j + 3] = x.w;
                 }
                 const long g0 = row * kgrow + t_base / G;
-                sv[i][0] = ksh[g0];
-                zv[i][0] = kzh[g0];
-                if (G == 32) { sv[i][1] = ksh[g0 + 1]; zv[i][1] = kzh[g0 + 1]; }
+                if (G == 32) {  // the step's two groups in one 32-bit load (kgrow is even)
+                    const unsigned int s2 = reinterpret_cast<const unsigned int*>(ksh + g0)[0];
+                    const unsigned int z2 = reinterpret_cast<const unsigned int*>(kzh + g0)[0];
+                    sv[i][0] = s2 & 0xFFFFu; sv[i][1] = s2 >> 16;
+                    zv[i][0] = z2 & 0xFFFFu; zv[i][1] = z2 >> 16;
+                } else {
+                    sv[i][0] = ksh[g0];
+                    zv[i][0] = kzh[g0];
+                }
             }
             _Pragma("unroll") for (int sb = 0; sb < 4; ++sb) {
                 const int gi = G == 32 ? sb / 2 : 0;  // the step's key group of this sub-block
@@ -211,9 +237,6 @@ BODY = """
         _Pragma("unroll") for (int c = 0; c < CH; ++c) {
             _Pragma("unroll") for (int e = 0; e < 4; ++e) oc[c][e] *= corr[e % 2];
         }
-        _Pragma("unroll") for (int g = 0; g < NGV; ++g) {
-            _Pragma("unroll") for (int e = 0; e < 4; ++e) zc[g][e] *= corr[e % 2];
-        }
         _Pragma("unroll") for (int sb = 0; sb < 4; ++sb) {
             float p[4];
             _Pragma("unroll") for (int e = 0; e < 4; ++e) {
@@ -232,41 +255,43 @@ BODY = """
             tok[1] = tb + rho<KB>(2 * k + 1);
             tok[2] = tb + rho<KB>(2 * k + 8);
             tok[3] = tb + rho<KB>(2 * k + 9);
-            unsigned short vsv[4][NGV], vzv[4][NGV];
+            // the tokens' scales and zeros (NGV a token), then per group: the zero's term and P s
+            constexpr int NGW = (NGV + 1) / 2;
+            unsigned int vsw[4][NGW], vzw[4][NGW];
             _Pragma("unroll") for (int i = 0; i < 4; ++i) {
                 const long row = (long)bh * vcap + tok[i];
-                _Pragma("unroll") for (int g = 0; g < NGV; ++g) {
-                    vsv[i][g] = vsh[row * VGROW + g];
-                    vzv[i][g] = vzh[row * VGROW + g];
-                }
+                load_halves<NGV>(vsh + row * VGROW, vsw[i]);
+                load_halves<NGV>(vzh + row * VGROW, vzw[i]);
             }
+            unsigned int bs[NGV][2];
             _Pragma("unroll") for (int g = 0; g < NGV; ++g) {
-                // zero's term: A = the tokens' zeros, the same in every channel row
+                // zero's term, into every chunk of the group: A = the tokens' zeros, alike in each channel row
                 unsigned int az[4];
-                az[0] = az[1] = vzv[0][g] | ((unsigned int)vzv[1][g] << 16);
-                az[2] = az[3] = vzv[2][g] | ((unsigned int)vzv[3][g] << 16);
-                mma_f16(zc[g], az, bp);
+                az[0] = az[1] = half_of<NGV>(vzw[0], g) | (half_of<NGV>(vzw[1], g) << 16);
+                az[2] = az[3] = half_of<NGV>(vzw[2], g) | (half_of<NGV>(vzw[3], g) << 16);
+                _Pragma("unroll") for (int cc = 0; cc < G / 16; ++cc) mma_f16(oc[g * (G / 16) + cc], az, bp);
                 // the group's scales folded into P
-                unsigned int bs[2];
-                bs[0] = h2_mul(bp[0], vsv[0][g] | ((unsigned int)vsv[1][g] << 16));
-                bs[1] = h2_mul(bp[1], vsv[2][g] | ((unsigned int)vsv[3][g] << 16));
-                _Pragma("unroll") for (int cc = 0; cc < G / 16; ++cc) {
-                    const int c = g * (G / 16) + cc;
-                    // word(s) of chunk c of each token: VB = 2 one word of 16 channels, VB = 4 two of 8
+                bs[g][0] = h2_mul(bp[0], half_of<NGV>(vsw[0], g) | (half_of<NGV>(vsw[1], g) << 16));
+                bs[g][1] = h2_mul(bp[1], half_of<NGV>(vsw[2], g) | (half_of<NGV>(vsw[3], g) << 16));
+            }
+            // the code words, 4 at a time per token (16 bytes: 4 chunks of 2-bit codes, 2 of 4-bit)
+            constexpr int CPU_ = 8 / VB;  // chunks a 4-word unit holds
+            _Pragma("unroll") for (int u = 0; u < VWROW / 4; ++u) {
+                unsigned int vw[4][4];
+                _Pragma("unroll") for (int i = 0; i < 4; ++i) {
+                    const uint4 x = reinterpret_cast<const uint4*>(vc + ((long)bh * vcap + tok[i]) * VWROW)[u];
+                    vw[i][0] = x.x; vw[i][1] = x.y; vw[i][2] = x.z; vw[i][3] = x.w;
+                }
+                _Pragma("unroll") for (int cc = 0; cc < CPU_; ++cc) {
+                    const int c = u * CPU_ + cc;
                     unsigned int x[4];
-                    _Pragma("unroll") for (int i = 0; i < 4; ++i) {
-                        const unsigned int* src = vc + ((long)bh * vcap + tok[i]) * VWROW + c * VB / 2;
-                        unsigned int words[2];
-                        words[0] = src[0];
-                        words[1] = VB == 4 ? src[1] : 0u;
-                        x[i] = codes_pair<VB>(words, r);
-                    }
+                    _Pragma("unroll") for (int i = 0; i < 4; ++i) x[i] = codes_pair<VB>(&vw[i][cc * VB / 2], r);
                     unsigned int a[4];
                     a[0] = h2_sub(__byte_perm(x[0], x[1], 0x5410), MAGIC);  // channel rho(r), tokens 0, 1 of the lane
                     a[1] = h2_sub(__byte_perm(x[0], x[1], 0x7632), MAGIC);  // channel rho(r + 8)
                     a[2] = h2_sub(__byte_perm(x[2], x[3], 0x5410), MAGIC);  // tokens 2, 3
                     a[3] = h2_sub(__byte_perm(x[2], x[3], 0x7632), MAGIC);
-                    mma_f16(oc[c], a, bs);
+                    mma_f16(oc[c], a, bs[c / (G / 16)]);
                 }
             }
         }
@@ -293,7 +318,7 @@ BODY = """
         _Pragma("unroll") for (int e = 0; e < 4; ++e) {
             const int m = 2 * k + e % 2;
             const int d = 16 * c + rho<VB>(r + 8 * (e / 2));
-            w_out[warp][m][d] = oc[c][e] + zc[c / (G / 16)][e % 2];
+            w_out[warp][m][d] = oc[c][e];
         }
     }
     KV_BARRIER();
@@ -321,26 +346,36 @@ BODY = """
     }
 """
 
-SOURCE = "const int tid = threadIdx.x; const int blk = blockIdx.x; const long bh = blockIdx.y;\n" + BODY
-INPUTS = ["q", "kc", "ks", "kz", "vc", "vs", "vz", "dims", "params"]
-OUTPUTS = ["o_mma", "st_mma"]
+def source(scalar_body: str) -> str:
+    """One kernel of two kinds of blocks: the first dims[7] run the scalar kernel's body (the tokens
+    from dims[9] on: residuals and the rest), the others this one's. The scalar blocks come first so
+    the GPU starts them first, and their few long tiles overlap the many tensor-core steps instead of
+    running after them as a second launch (a launch of 8 blocks at 32k: latency, not work)."""
+    return ("const int tid = threadIdx.x; const long bh = blockIdx.y;\n"
+            "if ((int)blockIdx.x < dims[7]) {\n const int blk = blockIdx.x;\n" + scalar_body + "\n} else {\n"
+            " const int blk = blockIdx.x - dims[7];\n" + BODY + "\n}\n")
+
+
+INPUTS = ["q", "kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "dims", "params"]
+OUTPUTS = ["o_part", "stats", "o_mma", "st_mma"]
 _kernels: dict[str, object] = {}
 
 
-def _kernel(header: str):
-    if "k" not in _kernels:
-        full = header + HEADER
-        name = f"kivi_decode_attention_mma_{zlib.crc32((full + SOURCE).encode()):08x}"
-        _kernels["k"] = mx.fast.cuda_kernel(name=name, input_names=INPUTS, output_names=OUTPUTS, source=SOURCE,
-                                            header=full)
-    return _kernels["k"]
+def _kernel(header: str, scalar_body: str):
+    full, body = header + HEADER, source(scalar_body)
+    # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
+    name = f"kivi_decode_attention_mma_{zlib.crc32((full + body).encode()):08x}"
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=INPUTS, output_names=OUTPUTS, source=body,
+                                             header=full)
+    return _kernels[name]
 
 
 def supported(queries, key_bits: int, value_bits: int, group_size: int, rows: int) -> bool:
     """Whether this kernel covers a decode call (fp16 codes of 2/4 bits; see the module docstring)."""
     D = queries.shape[-1]
     return (queries.dtype == mx.float16 and key_bits in BITS and value_bits in BITS
-            and D % 16 == 0 and D <= 256 and group_size % 32 == 0 and D % group_size == 0 and rows <= 8)
+            and D % 64 == 0 and D <= 256 and group_size % 32 == 0 and D % group_size == 0 and rows <= 8)
 
 
 def tokens_covered(n_keys_packed: int, n_values_packed: int, total: int, query_positions: int, causal: bool) -> int:
@@ -354,16 +389,16 @@ def default_steps_per_warp(steps: int, rows: int) -> int:
     return max(1, -(-steps * rows // 2048))
 
 
-def partials(q, kc, ks, kz, vc, vs, vz, dims_values: list[int], dims: mx.array, params: mx.array,
-             key_bits: int, value_bits: int, group_size: int, D: int, M: int, rows: int, header: str):
-    """Launch the kernel: partial outputs [rows, blocks, M, D] and (max, sum) [rows, blocks, M, 2]."""
-    nbm = dims_values[10]
-    template = [("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M), ("NT", THREADS)]
-    return _kernel(header)(
-        inputs=[q, kc, ks, kz, vc, vs, vz, dims, params],
+def partials(inputs: list, dims_values: list[int], template: list, D: int, M: int, rows: int, header: str,
+             scalar_body: str):
+    """Launch both kinds of blocks: the scalar kernel's partials [rows, dims[7], M, D] and (max, sum)
+    [rows, dims[7], M, 2], then this kernel's [rows, dims[10], ...]."""
+    nb, nbm = dims_values[7], dims_values[10]
+    return _kernel(header, scalar_body)(
+        inputs=inputs,
         template=template,
-        grid=(nbm * THREADS, rows, 1),
+        grid=((nb + nbm) * THREADS, rows, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(rows, nbm, M, D), (rows, nbm, M, 2)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_shapes=[(rows, max(nb, 1), M, D), (rows, max(nb, 1), M, 2), (rows, nbm, M, D), (rows, nbm, M, 2)],
+        output_dtypes=[mx.float32] * 4,
     )

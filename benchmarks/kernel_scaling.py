@@ -55,7 +55,8 @@ def load_old(path: str):
     return module
 
 
-def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], contexts: list[int]) -> None:
+def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], contexts: list[int],
+               steps: list[int]) -> None:
     print("\n## decode attention per layer: 8 KV heads, 32 query heads, D 128, fp16, KIVI G 32, residual 128")
     kernels = {"fused": kivi_attention}
     for path in old_paths:
@@ -85,15 +86,18 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
                 mx.eval(views[-1])
                 live += cache.live_kv_bytes
             per_layer = live / layers
-            paths = [(name, module, None, module.THREADS) for name, module in kernels.items()]
-            paths += [(f"fused, {t} tiles/block", kivi_attention, t, kivi_attention.THREADS) for t in tiles]
-            paths += [(f"fused, {n} threads/block", kivi_attention, None, n) for n in threads]
-            for path, module, tpb, n_threads in paths:
+            paths = [(name, module, None, module.THREADS, {}) for name, module in kernels.items()]
+            paths += [(f"fused, {t} tiles/block", kivi_attention, t, kivi_attention.THREADS, {}) for t in tiles]
+            paths += [(f"fused, {n} threads/block", kivi_attention, None, n, {}) for n in threads]
+            paths += [(f"tensor cores, {n} steps/warp", kivi_attention, None, kivi_attention.THREADS,
+                       dict(tensor_cores=True, steps_per_warp=n)) for n in steps]
+            for path, module, tpb, n_threads, extra in paths:
                 default_threads, module.THREADS = module.THREADS, n_threads
                 us = 1e3 * median_eval_ms(lambda: [module.decode_attention_fused(q, *view, scale, False, bits, bits, 32, "cuda",
-                                                                                 tiles_per_block=tpb)
+                                                                                 tiles_per_block=tpb, **extra)
                                                    for q, view in zip(qs, views)]) / layers
-                got = module.decode_attention_fused(qs[0], *views[0], scale, False, bits, bits, 32, "cuda", tiles_per_block=tpb)
+                got = module.decode_attention_fused(qs[0], *views[0], scale, False, bits, bits, 32, "cuda",
+                                                    tiles_per_block=tpb, **extra)
                 module.THREADS = default_threads
                 want = kivi_attention.decode_attention_reference(qs[0], *views[0], scale, None, bits, bits, 32)
                 err = (mx.linalg.norm((got - want).astype(mx.float32)) / mx.linalg.norm(want.astype(mx.float32))).item()
@@ -108,6 +112,8 @@ def main() -> None:
     parser.add_argument("--tiles", type=int, nargs="*", default=[], help="also time these tiles per block")
     parser.add_argument("--threads", type=int, nargs="*", default=[], help="also time these threads per block")
     parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 131072])
+    parser.add_argument("--steps", type=int, nargs="*", default=[],
+                        help="also time the tensor-core kernel (kivi_attention_mma.py) at these steps per warp")
     args = parser.parse_args()
     print(f"device {mx.default_device()}, MLX {mx.__version__}")
     parts = args.parts or ["quant", "attn"]
@@ -118,7 +124,7 @@ def main() -> None:
     if "quant" in parts:
         quant_table()
     if "attn" in parts:
-        attn_table(args.old, args.tiles, args.threads, args.contexts)
+        attn_table(args.old, args.tiles, args.threads, args.contexts, args.steps)
 
 
 if __name__ == "__main__":

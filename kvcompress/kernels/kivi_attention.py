@@ -502,13 +502,14 @@ def _params(scale: float) -> mx.array:
 
 def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
                            key_bits: int, value_bits: int, group_size: int, backend: str = "cuda",
-                           tiles_per_block: int | None = None, tensor_cores: bool | None = None,
+                           tiles_per_block: int | None = None, tensor_cores: bool = False,
                            steps_per_warp: int | None = None) -> mx.array:
     """The fused kernels; same contract as `decode_attention_reference` for supported inputs.
 
-    On CUDA, where kivi_attention_mma covers the call (fp16, 2/4-bit codes; `tensor_cores=None`:
-    wherever it does), the tensor-core kernel takes the packed tokens [0, n_full) and this module's
-    kernel the rest (residuals, the causal band, a part step); one combine merges their partials."""
+    tensor_cores=True (CUDA, where kivi_attention_mma covers the call: fp16, 2/4-bit codes): the
+    tensor-core kernel takes the packed tokens [0, n_full) and this module's kernel the rest
+    (residuals, the causal band, a part step) in the same launch; one combine merges their partials.
+    Off by default: measured slower than this module's kernel on the H200 (KIVI_GPU_NOTES.md, stop 19)."""
     B, n_q, L, D = queries.shape
     n_kv = keys.residual.shape[1]
     M = n_q // n_kv * L
@@ -532,7 +533,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     n_full = 0
     # 16-byte key loads need rows of whole 4-word units; the 32-bit scale loads at G 32 even groups
     aligned = kwrow % 4 == 0 and (group_size != 32 or kgrow % 2 == 0)
-    if backend == "cuda" and tensor_cores is not False and aligned \
+    if backend == "cuda" and tensor_cores and aligned \
             and kivi_attention_mma.supported(queries, key_bits, value_bits, group_size, M):
         n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
     elif tensor_cores:

@@ -6,6 +6,13 @@ KV heads x 4 rows, D 128) it issued ~25 M warp instructions in 82 us at 0.37 ins
 per scheduler, with 8 warps an SM. Here the products run as `mma.sync` m16n8k16 (fp16 in, fp32
 accumulation) and a code costs ~2.5 integer/half2 instructions on its way into a fragment.
 
+Status: opt-in (`decode_attention_fused(..., tensor_cores=True)`), not the dispatch's choice. On the
+H200 it is correct (tests/test_kivi_attention.py) but not faster: at 32k, 4 steps a warp, KIVI-2
+84 us a layer against the scalar kernel's 94 (SDPA 68), KIVI-4 98 against 93; at 128k KIVI-2 231
+against 250, KIVI-4 320 against 258 (benchmarks/KIVI_GPU_NOTES.md, stop 19). Nsight Compute: 144
+registers (3 blocks an SM, 12 warps), latency-bound on loads (L1 41%, DRAM 7%, compute 22%): the 8
+lanes of a fragment row load the same key words and scales, one chunk's loads at a time.
+
 The problem is the one of kivi_attention.py (rows rep-major, post-RoPE queries); this kernel takes
 the tokens [0, n_full) with n_full a multiple of 64 that every row sees (below the key and value
 residuals and the causal band), and the scalar kernel the rest, in the same softmax: both leave
@@ -385,8 +392,9 @@ def tokens_covered(n_keys_packed: int, n_values_packed: int, total: int, query_p
 
 
 def default_steps_per_warp(steps: int, rows: int) -> int:
-    """About 2048 warps in all (15+ an SM of an H200, 12 of which fit at this kernel's registers)."""
-    return max(1, -(-steps * rows // 2048))
+    """About 1024 warps in all: 4 steps a warp at 32k x 8 KV heads, the fastest of 1/2/3/4/8 measured
+    there on the H200 (KIVI-2 84 us a layer; 1 step: 99 us)."""
+    return max(1, -(-steps * rows // 1024))
 
 
 def partials(inputs: list, dims_values: list[int], template: list, D: int, M: int, rows: int, header: str,

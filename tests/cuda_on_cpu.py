@@ -112,48 +112,44 @@ template <typename X> X __shfl_xor_sync(unsigned int, X v, int m) {
 // mma.sync.m16n8k16 (fp32 accumulation) on float pairs: lane l gives a[0..3] (A 16 x 16, row-major:
 // rows l/4 and l/4 + 8, columns 2(l%4) + {0, 1} and + 8), b[0..1] (B 16 x 8, column-major: rows
 // 2(l%4) + {0, 1} and + 8, column l/4) and takes c[0..3] (rows l/4 and l/4 + 8, columns 2(l%4) + {0, 1})
+// The product of the fragments the warp's lanes have put in their Warp: x(w, row, k) and y(w, k, col)
+// read one element of A and of B; each lane takes its c[0..3] (rows l/4 and l/4 + 8, columns 2(l%4) + {0, 1})
+template <class X, class Y> void mma_of_fragments(float* c, X x, Y y) {
+    Warp& w = g_warps[t_warp];
+    w.bar->arrive_and_wait();
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        const int row = t_lane / 4 + 8 * (e / 2), col = 2 * (t_lane % 4) + e % 2;
+        float acc = c[e];
+        for (int k = 0; k < 16; ++k) acc += x(w, row, k) * y(w, k, col);
+        out[e] = acc;
+    }
+    w.bar->arrive_and_wait();  // everyone has read before the next product is written
+    std::memcpy(c, out, 16);
+}
+// mma.sync.m16n8k16 (fp32 accumulation) on float pairs: lane l gives a[0..3] (A 16 x 16, row-major:
+// rows l/4 and l/4 + 8, columns 2(l%4) + {0, 1} and + 8), b[0..1] (B 16 x 8, column-major: rows
+// 2(l%4) + {0, 1} and + 8, column l/4)
 template <typename T> struct Mma {
     template <typename P> static void run(float* c, const P* a, const P* b) {
         static_assert(sizeof(P) == 8, "float32 pairs only (the float32 instantiations)");
         Warp& w = g_warps[t_warp];
         std::memcpy(w.mma_a[t_lane], a, 32);
         std::memcpy(w.mma_b[t_lane], b, 16);
-        w.bar->arrive_and_wait();
-        float out[4];
-        for (int e = 0; e < 4; ++e) {
-            const int row = t_lane / 4 + 8 * (e / 2), col = 2 * (t_lane % 4) + e % 2;
-            float acc = c[e];
-            for (int k = 0; k < 16; ++k) {
-                const float x = w.mma_a[(row % 8) * 4 + (k % 8) / 2][(k / 8) * 4 + (row / 8) * 2 + k % 2];
-                const float y = w.mma_b[col * 4 + (k % 8) / 2][(k / 8) * 2 + k % 2];
-                acc += x * y;
-            }
-            out[e] = acc;
-        }
-        w.bar->arrive_and_wait();  // everyone has read before the next product is written
-        std::memcpy(c, out, 16);
+        mma_of_fragments(c,
+            [](Warp& w, int row, int k) { return w.mma_a[(row % 8) * 4 + (k % 8) / 2][(k / 8) * 4 + (row / 8) * 2 + k % 2]; },
+            [](Warp& w, int k, int col) { return w.mma_b[col * 4 + (k % 8) / 2][(k / 8) * 2 + k % 2]; });
     }
 };
-// mma.sync.m16n8k16 with fp16 fragments (32-bit registers of two halves), fp32 accumulation:
-// the layouts of Mma above, element e of a register in its 16-bit half e
+// the same with fp16 fragments (32-bit registers of two halves; element e of a register in its
+// 16-bit half e): the products of two halves are exact in float
 inline void mma_f16(float* c, const unsigned int* a, const unsigned int* b) {
     Warp& w = g_warps[t_warp];
     std::memcpy(w.h_a[t_lane], a, 16);
     std::memcpy(w.h_b[t_lane], b, 8);
-    w.bar->arrive_and_wait();
-    float out[4];
-    for (int e = 0; e < 4; ++e) {
-        const int row = t_lane / 4 + 8 * (e / 2), col = 2 * (t_lane % 4) + e % 2;
-        float acc = c[e];
-        for (int k = 0; k < 16; ++k) {
-            const double x = half_at(w.h_a[(row % 8) * 4 + (k % 8) / 2][(k / 8) * 2 + row / 8], k % 2);
-            const double y = half_at(w.h_b[col * 4 + (k % 8) / 2][k / 8], k % 2);
-            acc += (float)(x * y);
-        }
-        out[e] = acc;
-    }
-    w.bar->arrive_and_wait();
-    std::memcpy(c, out, 16);
+    mma_of_fragments(c,
+        [](Warp& w, int row, int k) { return (float)half_at(w.h_a[(row % 8) * 4 + (k % 8) / 2][(k / 8) * 2 + row / 8], k % 2); },
+        [](Warp& w, int k, int col) { return (float)half_at(w.h_b[col * 4 + (k % 8) / 2][k / 8], k % 2); });
 }
 // movmatrix.m8n8.trans.b16: lane 4 r + k holds row r, columns 2k, 2k + 1 of an 8 x 8 matrix of
 // 16-bit elements, and gets the same of its transpose

@@ -404,23 +404,25 @@ _COMBINE_BODY = """
     const long bh = bm / M;
     const int m = bm % M;
     float gmax = NEG_INF;
-    for (int c = 0; c < nb; ++c) gmax = FMAX(gmax, stats[((bh * nb + c) * M + m) * 2]);
-    for (int c = 0; c < nbm; ++c) gmax = FMAX(gmax, st_mma[((bh * nbm + c) * M + m) * 2]);
     float num = 0.0f;
     float den = 0.0f;
-    for (int c = 0; c < nb; ++c) {
-        const float mc = stats[((bh * nb + c) * M + m) * 2];
-        if (mc == NEG_INF) continue;
-        const float w = EXP2(mc - gmax);
-        num += w * o_part[((bh * nb + c) * M + m) * D + d];
-        den += w * stats[((bh * nb + c) * M + m) * 2 + 1];
-    }
-    for (int c = 0; c < nbm; ++c) {
-        const float mc = st_mma[((bh * nbm + c) * M + m) * 2];
-        if (mc == NEG_INF) continue;
-        const float w = EXP2(mc - gmax);
-        num += w * o_mma[((bh * nbm + c) * M + m) * D + d];
-        den += w * st_mma[((bh * nbm + c) * M + m) * 2 + 1];
+    for (int pass = 0; pass < 2; ++pass) {  // the global max first, then the rescaled sums
+        for (int set = 0; set < 2; ++set) {  // this kernel's partials, then the tensor-core kernel's
+            const KV_DEVICE float* part = set ? o_mma : o_part;
+            const KV_DEVICE float* st = set ? st_mma : stats;
+            const int n = set ? nbm : nb;
+            for (int c = 0; c < n; ++c) {
+                const long i = (bh * n + c) * M + m;
+                const float mc = st[i * 2];
+                if (pass == 0) {
+                    gmax = FMAX(gmax, mc);
+                } else if (mc != NEG_INF) {
+                    const float w = EXP2(mc - gmax);
+                    num += w * part[i * D + d];
+                    den += w * st[i * 2 + 1];
+                }
+            }
+        }
     }
     out[gid] = static_cast<T>(num / den);
 """

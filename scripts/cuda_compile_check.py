@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the CP
 import kvcompress  # noqa: E402,F401  (BLAS preload before mlx)
 import mlx.core as mx  # noqa: E402
 
-from kvcompress.kernels import dispatch, evict, kivi_attention, kivi_quant  # noqa: E402
+from kvcompress.kernels import dispatch, evict, kivi_attention, kivi_attention_mma, kivi_quant  # noqa: E402
 from kvcompress.kernels import prompt_scores, scored_attention  # noqa: E402
 from cuda_on_cpu import template_parameters  # noqa: E402
 
@@ -144,7 +144,7 @@ def main():
     compiler = Compiler(args.arch)
     mx.fast.cuda_kernel = lambda **kwargs: CompileOnlyKernel(compiler, **kwargs)
     dispatch.assert_close = dispatch.assert_equal = lambda *a, **k: None  # the stand-in returns zeros
-    for module in (evict, kivi_attention, kivi_quant, scored_attention, prompt_scores):
+    for module in (evict, kivi_attention, kivi_attention_mma, kivi_quant, scored_attention, prompt_scores):
         for cache in ("_kernels", "_slot_kernels"):
             if hasattr(module, cache):
                 setattr(module, cache, {})
@@ -161,6 +161,10 @@ def main():
         for variant in ((128, False), (128, True), (64, False)):
             prompt_scores._selftest("cuda", dtype, variant)
     evict._slot_selftest("cuda")
+    for bits in (2, 4):  # KIVI's tensor-core kernel (opt-in, fp16 only: no self-test builds it)
+        q, keys, values = kivi_attention.random_case(bits, bits, 32, 128, 4, 1, mx.float16)
+        kivi_attention.decode_attention_fused(q, keys, values, 128**-0.5, False, bits, bits, 32, "cuda",
+                                              tensor_cores=True)
     width = max(len(r[1]) for r in compiler.rows)
     for _, instance, info in compiler.rows:
         print(f"{instance:<{width}}  {info}")

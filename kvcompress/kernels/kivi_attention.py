@@ -502,6 +502,18 @@ def _params(scale: float) -> mx.array:
     return _params_cache[scale]
 
 
+_stand_ins: dict[tuple[str, str], mx.array] = {}
+
+
+def _stand_in(dtype) -> mx.array:
+    """A one-element array for an absent input (a side without codes or residual) or the partials of a
+    kernel that did not run: one per dtype and device, not a new array per layer and step."""
+    key = (str(dtype), str(mx.default_device()))
+    if key not in _stand_ins:
+        _stand_ins[key] = mx.zeros((1,), dtype=dtype)
+    return _stand_ins[key]
+
+
 def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
                            key_bits: int, value_bits: int, group_size: int, backend: str = "cuda",
                            tiles_per_block: int | None = None, tensor_cores: bool = False,
@@ -518,9 +530,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     dtype = queries.dtype
     rows = B * n_kv
     T = keys.n_packed + keys.residual.shape[2]
-
-    def dummy(dt):
-        return mx.zeros((1,), dtype=dt)
+    dummy = _stand_in
 
     if keys.n_packed:
         kc, ks, kz = keys.packed

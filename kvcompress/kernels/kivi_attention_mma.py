@@ -141,7 +141,6 @@ BODY = """
     constexpr int NGV = D / G;        // value groups per token
     constexpr int KWS = 64 * KB / 32; // key words per channel per step
     constexpr int VWROW = D * VB / 32;
-    constexpr int VGROW = D / G;
     constexpr unsigned int MAGIC = 0x64006400u;  // (1024, 1024) in half2
     const int n_steps = dims[9] / 64;
     const int kwrow = dims[4];
@@ -267,8 +266,8 @@ BODY = """
             unsigned int vsw[4][NGW], vzw[4][NGW];
             _Pragma("unroll") for (int i = 0; i < 4; ++i) {
                 const long row = (long)bh * vcap + tok[i];
-                load_halves<NGV>(vsh + row * VGROW, vsw[i]);
-                load_halves<NGV>(vzh + row * VGROW, vzw[i]);
+                load_halves<NGV>(vsh + row * NGV, vsw[i]);
+                load_halves<NGV>(vzh + row * NGV, vzw[i]);
             }
             unsigned int bs[NGV][2];
             _Pragma("unroll") for (int g = 0; g < NGV; ++g) {
@@ -365,17 +364,18 @@ def source(scalar_body: str) -> str:
 
 INPUTS = ["q", "kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "dims", "params"]
 OUTPUTS = ["o_part", "stats", "o_mma", "st_mma"]
-_kernels: dict[str, object] = {}
+_kernels: dict[tuple[str, str], object] = {}  # (header, scalar body) -> kernel
 
 
 def _kernel(header: str, scalar_body: str):
-    full, body = header + HEADER, source(scalar_body)
-    # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
-    name = f"kivi_decode_attention_mma_{zlib.crc32((full + body).encode()):08x}"
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=INPUTS, output_names=OUTPUTS, source=body,
-                                             header=full)
-    return _kernels[name]
+    key = (header, scalar_body)  # str hashes are cached: a cheap lookup per layer and step
+    if key not in _kernels:
+        full, body = header + HEADER, source(scalar_body)
+        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
+        name = f"kivi_decode_attention_mma_{zlib.crc32((full + body).encode()):08x}"
+        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=INPUTS, output_names=OUTPUTS, source=body,
+                                            header=full)
+    return _kernels[key]
 
 
 def supported(queries, key_bits: int, value_bits: int, group_size: int, rows: int) -> bool:

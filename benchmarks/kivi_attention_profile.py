@@ -3,6 +3,7 @@ run a few times for a profiler (`ncu -k regex:kivi_decode`) to read: the fused k
 --reference, the quantized_matmul path.
 
 Usage (a GPU with MLX CUDA): python benchmarks/kivi_attention_profile.py [--tokens 32768] [--bits 2] [--calls 3]
+    [--tensor-cores [--steps N]]
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=2)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--module", default=None, help="another kivi_attention.py file to run instead")
+    parser.add_argument("--tensor-cores", action="store_true", help="the tensor-core kernel (kivi_attention_mma.py)")
+    parser.add_argument("--steps", type=int, default=None, help="its steps per warp (default: its own choice)")
     args = parser.parse_args()
     module = kivi_attention
     if args.module:
@@ -42,7 +45,8 @@ def main() -> None:
     view = cache.update_and_fetch(k[:, :, T - 1 :], v[:, :, T - 1 :])
     mx.eval(view)
     for _ in range(args.calls):
-        out = module.decode_attention_fused(q, *view, 128**-0.5, False, args.bits, args.bits, 32, "cuda")
+        extra = dict(tensor_cores=True, steps_per_warp=args.steps) if args.tensor_cores else {}
+        out = module.decode_attention_fused(q, *view, 128**-0.5, False, args.bits, args.bits, 32, "cuda", **extra)
         mx.eval(out)
     want = kivi_attention.decode_attention_reference(q, *view, 128**-0.5, None, args.bits, args.bits, 32)
     err = (mx.linalg.norm((out - want).astype(mx.float32)) / mx.linalg.norm(want.astype(mx.float32))).item()

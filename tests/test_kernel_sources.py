@@ -141,16 +141,17 @@ def relative_l2(got, want) -> float:
 
 # the tensor-core kernel (fp16 fragments: the emulator's mma, movmatrix and half2 arithmetic) with the
 # scalar kernel taking the rest of the tokens, against dequantize-then-attend in float32
-@pytest.mark.parametrize("key_bits, value_bits, G, D, M, L, causal, steps_per_warp", [
-    (2, 2, 32, 64, 4, 1, False, 1),
-    (4, 4, 32, 64, 4, 1, False, 3),  # warps without steps
-    (2, 4, 64, 128, 8, 2, True, 1),
-    (4, 2, 32, 64, 3, 1, False, 2),  # rows that fill part of the fragments
+@pytest.mark.parametrize("key_bits, value_bits, G, D, M, L, causal, steps_per_warp, n_k, n_v", [
+    (2, 2, 32, 64, 4, 1, False, 1, 832, 780),
+    (4, 4, 32, 64, 4, 1, False, 3, 832, 780),  # warps without steps
+    (2, 4, 64, 128, 4, 2, True, 1, 896, 781),  # an odd number of value rows
+    (4, 2, 32, 64, 3, 1, False, 2, 832, 780),  # rows that fill part of the fragments
+    (4, 4, 64, 64, 2, 1, False, 2, 832, 780),  # an odd number of key groups a row (13)
 ])
 def test_kivi_decode_attention_tensor_cores_run_as_the_reference(emulated_cuda, key_bits, value_bits, G, D, M, L,
-                                                                  causal, steps_per_warp):
+                                                                  causal, steps_per_warp, n_k, n_v):
     q, keys, values = kivi_attention.random_case(key_bits, value_bits, G, D, M, L, mx.float16, seed=key_bits + D,
-                                                 T=900, n_k=896 if G == 64 else 832, n_v=780)
+                                                 T=900, n_k=n_k, n_v=n_v)
     assert kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, 900, L, causal) == 768
     got = kivi_attention.decode_attention_fused(q, keys, values, D**-0.5, causal, key_bits, value_bits, G, "cuda",
                                                 tiles_per_block=1, tensor_cores=True, steps_per_warp=steps_per_warp)

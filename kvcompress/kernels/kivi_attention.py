@@ -543,8 +543,8 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     else:
         vc, vs, vz, vcap = dummy(mx.uint32), dummy(dtype), dummy(dtype), 0
     n_full = 0
-    # 16-byte key loads need rows of whole 4-word units; the 32-bit scale loads at G 32 even groups
-    aligned = kwrow % 4 == 0 and (group_size != 32 or kgrow % 2 == 0)
+    step_tokens = kivi_attention_mma.step_tokens(key_bits, value_bits)
+    aligned = kivi_attention_mma.aligned(kwrow, kgrow, vcap, D // group_size, group_size, step_tokens)
     if backend == "cuda" and tensor_cores and aligned \
             and kivi_attention_mma.supported(queries, key_bits, value_bits, group_size, M):
         n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
@@ -553,7 +553,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     n_tiles = -(-(T - n_full) // TILE)
     tpb = tiles_per_block or default_tiles_per_block(n_tiles, rows)
     nb = -(-n_tiles // tpb)
-    steps = n_full // kivi_attention_mma.STEP
+    steps = n_full // step_tokens
     spw = steps_per_warp or kivi_attention_mma.default_steps_per_warp(steps, rows)
     nbm = -(-steps // (spw * kivi_attention_mma.WARPS)) if steps else 0
     kr = keys.residual if keys.residual.shape[2] else dummy(dtype)
@@ -566,6 +566,8 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     inputs = [q, kc, ks, kz, kr, vc, vs, vz, vr, dims, params]
     template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
                 ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
+    if nbm:
+        template.append(("ST", step_tokens))
     if nbm:  # one launch: the scalar kernel's blocks and the tensor-core kernel's
         assert THREADS == kivi_attention_mma.THREADS
         scalar_body = CUDA_ATTN_SOURCE.split("\n", 1)[1]  # without its first line (tid, blk, bh)

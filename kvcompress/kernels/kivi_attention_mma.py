@@ -51,9 +51,31 @@ import zlib
 import mlx.core as mx
 
 BITS = (2, 4)
-STEP = 64  # tokens a warp takes at a time: 4 sub-blocks of 16
+STEP = 64  # the tokens this kernel takes are a multiple of this (both step sizes below divide it)
 WARPS = 4
 THREADS = 32 * WARPS
+SHARED_LIMIT = 48 * 1024  # static shared memory a CUDA block may declare
+
+
+def step_tokens(key_bits: int, value_bits: int) -> int:
+    """Tokens a warp takes at a time: 16 bytes of key codes per channel (64 tokens at 2 bits, 32 at 4),
+    fewer where the values are wider, so a step's staging stays within a quarter of the block's
+    shared memory."""
+    return 128 // max(key_bits, value_bits)
+
+
+def shared_bytes(D: int, M: int, key_bits: int, value_bits: int, group_size: int) -> int:
+    """Static shared memory of the one launch: the scalar kernel's blocks (kivi_attention.py: queries,
+    a tile's scores per warp, three row statistics) and this kernel's (the staging areas of its warps,
+    which the warps' partials reuse at the end). Both kinds of blocks declare both."""
+    from .kivi_attention import TILE  # the scalar kernel's tile
+
+    scalar = 4 * (D * M + WARPS * M * TILE + 3 * M)
+    ST = step_tokens(key_bits, value_bits)
+    n_groups = D // group_size
+    stage = D * ST * key_bits // 32 + 2 * D + ST * (D * value_bits // 32 + 4) + ST * n_groups
+    meet = WARPS * 8 * D + 2 * WARPS * 8
+    return scalar + 4 * max(WARPS * stage, meet)
 
 HEADER = """
 // The GPU's own instructions (PTX); the CPU emulator (tests/cuda_on_cpu.py) has its own of each
@@ -94,7 +116,31 @@ __device__ __forceinline__ unsigned int h2_pack(float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
 }
+// N bytes (4, 8 or 16) from global to shared memory without passing through registers (cp.async);
+// a commit closes a group of them, a wait leaves at most PENDING of this thread's groups in flight
+template <int N> __device__ __forceinline__ void copy_async(void* shared, const void* global) {
+    const unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
+    if (N == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(address), "l"(global) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(address), "l"(global), "n"(N) : "memory");
+    }
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING> __device__ __forceinline__ void copies_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+}
 #endif
+// N = 2 or 4 consecutive 32-bit words in one 8- or 16-byte load (p aligned to it)
+template <int N> __device__ __forceinline__ void load_words(const unsigned int* p, unsigned int* out) {
+    if (N == 4) {
+        const uint4 x = *reinterpret_cast<const uint4*>(p);
+        out[0] = x.x; out[1] = x.y; out[N - 2] = x.z; out[N - 1] = x.w;
+    } else {
+        const uint2 x = *reinterpret_cast<const uint2*>(p);
+        out[0] = x.x; out[1] = x.y;
+    }
+}
 // the token (or channel) of fragment row i of a 16-row sub-block: codes of B bits sit 16 / B to a
 // 16-bit half, so row i's code and row i + 8's share a word and an offset (B = 2: rows are tokens in
 // order; B = 4: two words of 8, rows 0-3 and 8-11 from the first's halves, 4-7 and 12-15 from the second's)
@@ -137,12 +183,24 @@ template <int N> __device__ __forceinline__ unsigned int half_of(const unsigned 
 
 BODY = """
     constexpr int NW = NT / 32;
-    constexpr int CH = D / 16;        // 16-channel chunks
-    constexpr int NGV = D / G;        // value groups per token
-    constexpr int KWS = 64 * KB / 32; // key words per channel per step
-    constexpr int VWROW = D * VB / 32;
+    constexpr int CH = D / 16;           // 16-channel chunks
+    constexpr int SB = ST / 16;          // 16-token sub-blocks a step
+    constexpr int NGV = D / G;           // value groups per token
+    constexpr int KWS = ST * KB / 32;    // key words per channel per step (2 or 4)
+    constexpr int VWROW = D * VB / 32;   // value words per token
+    constexpr int VROW = VWROW + 4;      // a token's words in shared memory, padded against bank conflicts
     constexpr unsigned int MAGIC = 0x64006400u;  // (1024, 1024) in half2
-    const int n_steps = dims[9] / 64;
+    // a warp's staging words: key codes [D][KWS], key (scale, zero) words [D][2], value codes
+    // [ST][VROW], value scales and zeros [ST * NGV / 2] each; all multiples of 4 words (16 bytes)
+    constexpr int S_KW = 0;
+    constexpr int S_KSZ = S_KW + D * KWS;
+    constexpr int S_VW = S_KSZ + 2 * D;
+    constexpr int S_VS = S_VW + ST * VROW;
+    constexpr int S_VZ = S_VS + ST * NGV / 2;
+    constexpr int STAGE = S_VZ + ST * NGV / 2;
+    constexpr int MEET = NW * 8 * D + 2 * NW * 8;  // the warps' partials at the end
+    constexpr int SMEM = NW * STAGE > MEET ? NW * STAGE : MEET;
+    const int n_steps = dims[9] / ST;
     const int kwrow = dims[4];
     const int kgrow = dims[5];
     const int vcap = dims[6];
@@ -157,6 +215,43 @@ BODY = """
     const unsigned short* kzh = reinterpret_cast<const unsigned short*>(kz);
     const unsigned short* vsh = reinterpret_cast<const unsigned short*>(vs);
     const unsigned short* vzh = reinterpret_cast<const unsigned short*>(vz);
+
+    KV_SHARED uint4 smem4[SMEM / 4];
+    unsigned int* const smem = reinterpret_cast<unsigned int*>(smem4);
+    unsigned int* const stage = smem + warp * STAGE;
+
+    // A step's codes and scales come into the warp's staging area by asynchronous copies issued
+    // one phase ahead: the next step's keys load while this step's values are used, and the next
+    // step's values while the next step's scores are computed. The lanes copy the step's bytes
+    // once (before, each of the 8 lanes of a fragment row loaded the same words and scales itself,
+    // and each chunk waited for its own loads).
+    auto copy_keys = [&](int step) {
+        const int t_base = step * ST;
+        _Pragma("unroll 1") for (int ch = lane; ch < D; ch += 32) {
+            const long row = (long)bh * D + ch;
+            copy_async<4 * KWS>(stage + S_KW + ch * KWS, kc + row * kwrow + t_base * KB / 32);
+            // the aligned 32-bit pair of halves holding the step's group(s) (both of them where G < ST:
+            // then kgrow is even, so the step's first group starts a pair)
+            const long g = (row * kgrow + t_base / G) & ~1L;
+            copy_async<4>(stage + S_KSZ + 2 * ch, ksh + g);
+            copy_async<4>(stage + S_KSZ + 2 * ch + 1, kzh + g);
+        }
+    };
+    auto copy_values = [&](int step) {
+        const long row0 = (long)bh * vcap + step * ST;  // the step's tokens are consecutive rows
+        _Pragma("unroll 1") for (int j = lane; j < ST * VWROW / 4; j += 32) {
+            const int t = j / (VWROW / 4);
+            const int u = j % (VWROW / 4);
+            copy_async<16>(stage + S_VW + t * VROW + 4 * u, vc + row0 * VWROW + 4 * j);
+        }
+        // ST * NGV halves each, in pieces of VSB bytes (a token's NGV halves start at a multiple of
+        // 2 NGV bytes; one group a token: vcap is even)
+        constexpr int VSB = NGV >= 8 ? 16 : (NGV >= 2 ? 2 * NGV : 4);
+        _Pragma("unroll 1") for (int j = lane; j < ST * NGV * 2 / VSB; j += 32) {
+            copy_async<VSB>(stage + S_VS + j * VSB / 4, vsh + row0 * NGV + j * VSB / 2);
+            copy_async<VSB>(stage + S_VZ + j * VSB / 4, vzh + row0 * NGV + j * VSB / 2);
+        }
+    };
 
     // Q^T as B fragments of the score product: query row r, channels 16c + 2k (+1) and + 8 (+9)
     unsigned int bq[CH][2];
@@ -173,48 +268,44 @@ BODY = """
 
     const int step0 = (blk * NW + warp) * spw;
     const int step_end = min(step0 + spw, n_steps);
+    if (step0 < step_end) {
+        copy_keys(step0);
+        copies_commit();
+        copy_values(step0);
+        copies_commit();
+    }
     for (int step = step0; step < step_end; ++step) {
-        const int t_base = step * 64;
-        // ---- scores of 4 sub-blocks of 16 tokens
-        float sc[4][4];
-        _Pragma("unroll") for (int sb = 0; sb < 4; ++sb) { _Pragma("unroll") for (int e = 0; e < 4; ++e) sc[sb][e] = 0.0f; }
+        const bool next = step + 1 < step_end;
+        copies_wait<1>();  // this step's keys are in (its values may still be on their way)
+        __syncwarp();
+        // ---- scores of SB sub-blocks of 16 tokens
+        float sc[SB][4];
+        _Pragma("unroll") for (int sb = 0; sb < SB; ++sb) { _Pragma("unroll") for (int e = 0; e < 4; ++e) sc[sb][e] = 0.0f; }
         _Pragma("unroll") for (int c = 0; c < CH; ++c) {
-            // this lane's channels 16c + 2k + {0, 1, 8, 9}: their words of the step and scales/zeros
+            // this lane's channels 16c + 2k + {0, 1, 8, 9}: their words of the step and (scale, zero) words
             unsigned int w[4][KWS];
-            unsigned short sv[4][2], zv[4][2];
+            uint2 sz[4];
             _Pragma("unroll") for (int i = 0; i < 4; ++i) {
-                const long row = (long)bh * D + 16 * c + 2 * k + (i / 2) * 8 + i % 2;
-                const unsigned int* src = kc + row * kwrow + t_base * KB / 32;
-                _Pragma("unroll") for (int j = 0; j < KWS; j += 4) {  // 16-byte loads (kwrow % 4 == 0)
-                    const uint4 x = *reinterpret_cast<const uint4*>(src + j);
-                    w[i][j] = x.x; w[i][j + 1] = x.y; w[i][j + 2] = x.z; w[i][j + 3] = x.w;
-                }
-                const long g0 = row * kgrow + t_base / G;
-                if (G == 32) {  // the step's two groups in one 32-bit load (kgrow is even)
-                    const unsigned int s2 = reinterpret_cast<const unsigned int*>(ksh + g0)[0];
-                    const unsigned int z2 = reinterpret_cast<const unsigned int*>(kzh + g0)[0];
-                    sv[i][0] = s2 & 0xFFFFu; sv[i][1] = s2 >> 16;
-                    zv[i][0] = z2 & 0xFFFFu; zv[i][1] = z2 >> 16;
-                } else {
-                    sv[i][0] = ksh[g0];
-                    zv[i][0] = kzh[g0];
-                }
+                const int ch = 16 * c + 2 * k + (i / 2) * 8 + i % 2;
+                load_words<KWS>(stage + S_KW + ch * KWS, w[i]);
+                sz[i] = *reinterpret_cast<const uint2*>(stage + S_KSZ + 2 * ch);
             }
-            _Pragma("unroll") for (int sb = 0; sb < 4; ++sb) {
-                const int gi = G == 32 ? sb / 2 : 0;  // the step's key group of this sub-block
-                // (s, z) pairs for channels (2k, 2k + 1) and (2k + 8, 2k + 9)
-                const unsigned int s01 = sv[0][gi] | ((unsigned int)sv[1][gi] << 16);
-                const unsigned int s89 = sv[2][gi] | ((unsigned int)sv[3][gi] << 16);
-                const unsigned int z01 = zv[0][gi] | ((unsigned int)zv[1][gi] << 16);
-                const unsigned int z89 = zv[2][gi] | ((unsigned int)zv[3][gi] << 16);
-                const unsigned int* ws0 = &w[0][sb * KWS / 4];
-                const unsigned int* ws1 = &w[1][sb * KWS / 4];
-                const unsigned int* ws2 = &w[2][sb * KWS / 4];
-                const unsigned int* ws3 = &w[3][sb * KWS / 4];
-                const unsigned int x0 = codes_pair<KB>(ws0, r);
-                const unsigned int x1 = codes_pair<KB>(ws1, r);
-                const unsigned int x2 = codes_pair<KB>(ws2, r);
-                const unsigned int x3 = codes_pair<KB>(ws3, r);
+            _Pragma("unroll") for (int sb = 0; sb < SB; ++sb) {
+                // the sub-block's group is the half (index & 1) of each channel's word: channel rows
+                // 2k + 8i' are even, 2k + 1 + 8i' odd, so their indices' parities differ where kgrow is odd
+                const int g_even = (step * ST + 16 * sb) / G;
+                const int g_odd = g_even + (kgrow & 1);
+                // (s, z) pairs for channels (2k, 2k + 1) and (2k + 8, 2k + 9): the even channel's half
+                // low, the odd one's high
+                const unsigned int perm = ((g_odd & 1) ? 0x7600u : 0x5400u) | ((g_even & 1) ? 0x32u : 0x10u);
+                const unsigned int s01 = __byte_perm(sz[0].x, sz[1].x, perm);
+                const unsigned int s89 = __byte_perm(sz[2].x, sz[3].x, perm);
+                const unsigned int z01 = __byte_perm(sz[0].y, sz[1].y, perm);
+                const unsigned int z89 = __byte_perm(sz[2].y, sz[3].y, perm);
+                const unsigned int x0 = codes_pair<KB>(&w[0][sb * KB / 2], r);
+                const unsigned int x1 = codes_pair<KB>(&w[1][sb * KB / 2], r);
+                const unsigned int x2 = codes_pair<KB>(&w[2][sb * KB / 2], r);
+                const unsigned int x3 = codes_pair<KB>(&w[3][sb * KB / 2], r);
                 unsigned int a[4];
                 a[0] = h2_fma(h2_sub(__byte_perm(x0, x1, 0x5410), MAGIC), s01, z01);  // token rho(r), channels 2k, 2k+1
                 a[1] = h2_fma(h2_sub(__byte_perm(x0, x1, 0x7632), MAGIC), s01, z01);  // token rho(r + 8)
@@ -223,11 +314,14 @@ BODY = """
                 mma_f16(sc[sb], a, bq[c]);
             }
         }
+        __syncwarp();  // every lane has read the keys: the next step's may come in
+        if (next) copy_keys(step + 1);
+        copies_commit();
         // ---- online softmax over the step: row 2k in e = 0, 2; row 2k + 1 in e = 1, 3
         float step_max[2];
         _Pragma("unroll") for (int j = 0; j < 2; ++j) {
             float x = NEG_INF;
-            _Pragma("unroll") for (int sb = 0; sb < 4; ++sb) x = FMAX(x, FMAX(sc[sb][j], sc[sb][j + 2]) * qscale);
+            _Pragma("unroll") for (int sb = 0; sb < SB; ++sb) x = FMAX(x, FMAX(sc[sb][j], sc[sb][j + 2]) * qscale);
             x = FMAX(x, SHFL_XOR(x, 4));
             x = FMAX(x, SHFL_XOR(x, 8));
             x = FMAX(x, SHFL_XOR(x, 16));
@@ -243,7 +337,9 @@ BODY = """
         _Pragma("unroll") for (int c = 0; c < CH; ++c) {
             _Pragma("unroll") for (int e = 0; e < 4; ++e) oc[c][e] *= corr[e % 2];
         }
-        _Pragma("unroll") for (int sb = 0; sb < 4; ++sb) {
+        copies_wait<1>();  // this step's values are in (the next step's keys may still be on their way)
+        __syncwarp();
+        _Pragma("unroll") for (int sb = 0; sb < SB; ++sb) {
             float p[4];
             _Pragma("unroll") for (int e = 0; e < 4; ++e) {
                 p[e] = EXP2(sc[sb][e] * qscale - run_max[e % 2]);
@@ -254,20 +350,18 @@ BODY = """
             unsigned int bp[2];
             bp[0] = movmatrix_trans(h2_pack(p[0], p[1]));
             bp[1] = movmatrix_trans(h2_pack(p[2], p[3]));
-            // ---- values: this lane's tokens of the sub-block (its A columns)
-            const int tb = t_base + 16 * sb;
+            // ---- values: this lane's tokens of the sub-block (its A columns), as rows of the step
             int tok[4];
-            tok[0] = tb + rho<KB>(2 * k);
-            tok[1] = tb + rho<KB>(2 * k + 1);
-            tok[2] = tb + rho<KB>(2 * k + 8);
-            tok[3] = tb + rho<KB>(2 * k + 9);
+            tok[0] = 16 * sb + rho<KB>(2 * k);
+            tok[1] = 16 * sb + rho<KB>(2 * k + 1);
+            tok[2] = 16 * sb + rho<KB>(2 * k + 8);
+            tok[3] = 16 * sb + rho<KB>(2 * k + 9);
             // the tokens' scales and zeros (NGV a token), then per group: the zero's term and P s
             constexpr int NGW = (NGV + 1) / 2;
             unsigned int vsw[4][NGW], vzw[4][NGW];
             _Pragma("unroll") for (int i = 0; i < 4; ++i) {
-                const long row = (long)bh * vcap + tok[i];
-                load_halves<NGV>(vsh + row * NGV, vsw[i]);
-                load_halves<NGV>(vzh + row * NGV, vzw[i]);
+                load_halves<NGV>(reinterpret_cast<const unsigned short*>(stage + S_VS) + tok[i] * NGV, vsw[i]);
+                load_halves<NGV>(reinterpret_cast<const unsigned short*>(stage + S_VZ) + tok[i] * NGV, vzw[i]);
             }
             unsigned int bs[NGV][2];
             _Pragma("unroll") for (int g = 0; g < NGV; ++g) {
@@ -285,7 +379,7 @@ BODY = """
             _Pragma("unroll") for (int u = 0; u < VWROW / 4; ++u) {
                 unsigned int vw[4][4];
                 _Pragma("unroll") for (int i = 0; i < 4; ++i) {
-                    const uint4 x = reinterpret_cast<const uint4*>(vc + ((long)bh * vcap + tok[i]) * VWROW)[u];
+                    const uint4 x = *reinterpret_cast<const uint4*>(stage + S_VW + tok[i] * VROW + 4 * u);
                     vw[i][0] = x.x; vw[i][1] = x.y; vw[i][2] = x.z; vw[i][3] = x.w;
                 }
                 _Pragma("unroll") for (int cc = 0; cc < CPU_; ++cc) {
@@ -301,12 +395,18 @@ BODY = """
                 }
             }
         }
+        __syncwarp();  // every lane has read the values: the next step's may come in
+        if (next) copy_values(step + 1);
+        copies_commit();
     }
+    copies_wait<0>();
 
-    // ---- the block's warps meet: each leaves its max, sum and output rows, then one combine
-    KV_SHARED float w_max[NW][8];
-    KV_SHARED float w_sum[NW][8];
-    KV_SHARED float w_out[NW][8][D];
+    // ---- the block's warps meet (in the staging area, once every warp is done with its own):
+    // each leaves its max, sum and output rows, then one combine
+    KV_BARRIER();
+    float* const w_out = reinterpret_cast<float*>(smem);   // [NW][8][D]
+    float* const w_max = w_out + NW * 8 * D;               // [NW][8]
+    float* const w_sum = w_max + NW * 8;                   // [NW][8]
     _Pragma("unroll") for (int j = 0; j < 2; ++j) {
         float x = run_sum[j];
         x += SHFL_XOR(x, 4);
@@ -316,15 +416,15 @@ BODY = """
     }
     if (r == 0) {
         _Pragma("unroll") for (int j = 0; j < 2; ++j) {
-            w_max[warp][2 * k + j] = run_max[j];
-            w_sum[warp][2 * k + j] = run_sum[j];
+            w_max[warp * 8 + 2 * k + j] = run_max[j];
+            w_sum[warp * 8 + 2 * k + j] = run_sum[j];
         }
     }
     _Pragma("unroll") for (int c = 0; c < CH; ++c) {
         _Pragma("unroll") for (int e = 0; e < 4; ++e) {
             const int m = 2 * k + e % 2;
             const int d = 16 * c + rho<VB>(r + 8 * (e / 2));
-            w_out[warp][m][d] = oc[c][e];
+            w_out[(warp * 8 + m) * D + d] = oc[c][e];
         }
     }
     KV_BARRIER();
@@ -333,15 +433,15 @@ BODY = """
         const int m = i / D;
         const int d = i % D;
         float gmax = NEG_INF;
-        _Pragma("unroll") for (int w2 = 0; w2 < NW; ++w2) gmax = FMAX(gmax, w_max[w2][m]);
+        _Pragma("unroll") for (int w2 = 0; w2 < NW; ++w2) gmax = FMAX(gmax, w_max[w2 * 8 + m]);
         float num = 0.0f;
         float den = 0.0f;
         if (gmax != NEG_INF) {
             _Pragma("unroll") for (int w2 = 0; w2 < NW; ++w2) {
-                if (w_max[w2][m] == NEG_INF) continue;
-                const float f = EXP2(w_max[w2][m] - gmax);
-                num += f * w_out[w2][m][d];
-                den += f * w_sum[w2][m];
+                if (w_max[w2 * 8 + m] == NEG_INF) continue;
+                const float f = EXP2(w_max[w2 * 8 + m] - gmax);
+                num += f * w_out[(w2 * 8 + m) * D + d];
+                den += f * w_sum[w2 * 8 + m];
             }
         }
         o_mma[out_base * D + i] = num;
@@ -382,7 +482,18 @@ def supported(queries, key_bits: int, value_bits: int, group_size: int, rows: in
     """Whether this kernel covers a decode call (fp16 codes of 2/4 bits; see the module docstring)."""
     D = queries.shape[-1]
     return (queries.dtype == mx.float16 and key_bits in BITS and value_bits in BITS
-            and D % 64 == 0 and D <= 256 and group_size % 32 == 0 and D % group_size == 0 and rows <= 8)
+            and D in (64, 128) and group_size % 32 == 0 and D % group_size == 0 and rows <= 8
+            and shared_bytes(D, rows, key_bits, value_bits, group_size) <= SHARED_LIMIT)
+
+
+def aligned(key_words_per_row: int, key_groups_per_row: int, value_rows: int, value_groups: int,
+            group_size: int, step: int) -> bool:
+    """Whether the arrays' rows allow the kernel's copies: key rows of whole 16-byte units; where a
+    step holds two key groups (G < step), an even number of groups a row, so the two are one 32-bit
+    word; with one value group a token, an even number of value rows (its scales are copied 4 bytes
+    at a time)."""
+    return (key_words_per_row % 4 == 0 and (group_size >= step or key_groups_per_row % 2 == 0)
+            and (value_groups >= 2 or value_rows % 2 == 0))
 
 
 def tokens_covered(n_keys_packed: int, n_values_packed: int, total: int, query_positions: int, causal: bool) -> int:

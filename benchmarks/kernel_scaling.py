@@ -89,8 +89,9 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
             paths = [(name, module, None, module.THREADS, {}) for name, module in kernels.items()]
             paths += [(f"fused, {t} tiles/block", kivi_attention, t, kivi_attention.THREADS, {}) for t in tiles]
             paths += [(f"fused, {n} threads/block", kivi_attention, None, n, {}) for n in threads]
-            paths += [(f"tensor cores, {n} steps/warp", kivi_attention, None, kivi_attention.THREADS,
-                       dict(tensor_cores=True, steps_per_warp=n)) for n in steps]
+            paths += [(f"tensor cores, {n} steps/warp{', one launch' if one else ''}", kivi_attention, None,
+                       kivi_attention.THREADS, dict(tensor_cores=True, steps_per_warp=n, one_launch=one))
+                      for n in steps for one in (False, True)]
             for path, module, tpb, n_threads, extra in paths:
                 default_threads, module.THREADS = module.THREADS, n_threads
                 us = 1e3 * median_eval_ms(lambda: [module.decode_attention_fused(q, *view, scale, False, bits, bits, 32, "cuda",

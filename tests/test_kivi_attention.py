@@ -163,9 +163,9 @@ def test_tensor_cores_match_dequantize_then_attend(kb, vb, G, D, M, L):
     assert kivi_attention_mma.tokens_covered(n_k, n_v, T, L, L > 1) == 4864
     mask = "causal" if L > 1 else None
     want = dequantize_then_attend(q, keys, values, D**-0.5, mask, kb, vb, G)
-    for spw in (1, 5):
+    for spw, one_launch in ((1, False), (5, False), (5, True)):
         got = decode_attention_fused(q, keys, values, D**-0.5, L > 1, kb, vb, G, GPU, tensor_cores=True,
-                                     steps_per_warp=spw)
+                                     steps_per_warp=spw, one_launch=one_launch)
         assert got.dtype == mx.float16 and rel_l2(got, want) <= 1e-3, (kb, vb, G, D, M, L, spw, rel_l2(got, want))
 
 

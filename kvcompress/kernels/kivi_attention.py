@@ -234,14 +234,22 @@ _ATTN_BODY = """
             KV_UNROLL for (int m = 0; m < M; ++m) {
                 KV_UNROLL for (int j = 0; j < 8; ++j) s[m][j] += zs[m];
             }
-        } else {
-            KV_UNROLL for (int j = 0; j < 8; ++j) {
-                const int t = t0 + j;
-                if (t >= nk && t < T_total) {
-                    const long base = ((long)bh * trk + (t - nk)) * D + warp * DW;
-                    for (int dd = 0; dd < DW; ++dd) {
-                        const float kv = static_cast<float>(kr[base + dd]);
-                        KV_UNROLL for (int m = 0; m < M; ++m) s[m][j] += qs[(warp * DW + dd) * M + m] * kv;
+        } else if (t0 < T_total) {
+            // residual keys (nk % 8 == 0: all 8 tokens of the lane are residual or past the end): DCH
+            // channels of the 8 tokens loaded before any is used, so the tile waits DW / DCH memory
+            // latencies, not one per token and channel (which made a residual tile the launch's longest)
+            KV_NO_UNROLL for (int d0 = 0; d0 < DW; d0 += DCH) {
+                float kv[8][DCH];
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
+                    const int t = min(t0 + j, T_total - 1);  // past the end: a real row, masked by the softmax
+                    const long base = ((long)bh * trk + (t - nk)) * D + warp * DW + d0;
+                    KV_UNROLL for (int dd = 0; dd < DCH; ++dd) kv[j][dd] = static_cast<float>(kr[base + dd]);
+                }
+                KV_UNROLL for (int dd = 0; dd < DCH; ++dd) {
+                    const int d = warp * DW + d0 + dd;
+                    KV_UNROLL for (int m = 0; m < M; ++m) {
+                        const float qv = qs[d * M + m];
+                        KV_UNROLL for (int j = 0; j < 8; ++j) s[m][j] += qv * kv[j][dd];
                     }
                 }
             }
@@ -326,36 +334,53 @@ _ATTN_BODY = """
                     }
                 }
             }
-        } else {  // a tile with residual tokens or the cache's end: token by token
-            for (int i = 0; i < TPL; ++i) {
-                const int t = vt0 + i;
-                if (t >= T_total) break;
-                const int tk = tl * TPL + i;
-                const int pos = (tk % 8) * 32 + tk / 8;
-                float p[M];
-                KV_UNROLL for (int m = 0; m < M; ++m) p[m] = sc[m * TILE + pos];
-                if (t < nv) {
-                    const long row = (long)bh * vcap + t;
-                    const unsigned int w0 = vc[row * VWROW + vwi];
-                    const unsigned int w1 = (VB == 8) ? vc[row * VWROW + vwi + 1] : 0u;
-                    const float sv = static_cast<float>(vs[row * VGROW + c0 / G]);
-                    const float zv = static_cast<float>(vz[row * VGROW + c0 / G]);
-                    float ps[M];
-                    KV_UNROLL for (int m = 0; m < M; ++m) {
-                        ps[m] = p[m] * sv;
-                        zacc[m] += p[m] * zv;
+        } else {  // a tile with residual tokens or the cache's end: codes, then residual values, 4 tokens
+            // at a time with their loads first (token by token, the tile waited a memory latency per token)
+            const int c_end = min(vt0 + TPL, nv);
+            KV_NO_UNROLL for (int t = vt0; t < c_end; t += 4) {
+                unsigned int w0[4], w1[4];
+                float sv[4], zv[4];
+                KV_UNROLL for (int i = 0; i < 4; ++i) {
+                    const long row = (long)bh * vcap + min(t + i, c_end - 1);
+                    w0[i] = vc[row * VWROW + vwi];
+                    w1[i] = (VB == 8) ? vc[row * VWROW + vwi + 1] : 0u;
+                    sv[i] = static_cast<float>(vs[row * VGROW + c0 / G]);
+                    zv[i] = static_cast<float>(vz[row * VGROW + c0 / G]);
+                }
+                KV_UNROLL for (int i = 0; i < 4; ++i) {
+                    if (t + i < c_end) {
+                        const int tk = t + i - start;
+                        const int pos = (tk % 8) * 32 + tk / 8;
+                        float ps[M];
+                        KV_UNROLL for (int m = 0; m < M; ++m) {
+                            const float p = sc[m * TILE + pos];
+                            ps[m] = p * sv[i];
+                            zacc[m] += p * zv[i];
+                        }
+                        KV_UNROLL for (int j = 0; j < 8; ++j) {
+                            const int bit = j * VB;
+                            const unsigned int code = ((bit < 32) ? (w0[i] >> (vsh + bit)) : (w1[i] >> (bit - 32))) & VMASK;
+                            const float cf = CODE_TO_FLOAT(code);
+                            KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
+                        }
                     }
-                    KV_UNROLL for (int j = 0; j < 8; ++j) {
-                        const int bit = j * VB;
-                        const unsigned int code = ((bit < 32) ? (w0 >> (vsh + bit)) : (w1 >> (bit - 32))) & VMASK;
-                        const float cf = CODE_TO_FLOAT(code);
-                        KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
-                    }
-                } else {
-                    const long base = ((long)bh * trv + (t - nv)) * D + c0;
-                    KV_UNROLL for (int j = 0; j < 8; ++j) {
-                        const float x = static_cast<float>(vr[base + j]);
-                        KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += p[m] * x;
+                }
+            }
+            const int r_end = min(vt0 + TPL, T_total);
+            KV_NO_UNROLL for (int t = max(vt0, nv); t < r_end; t += 4) {
+                float x[4][8];
+                KV_UNROLL for (int i = 0; i < 4; ++i) {
+                    const long base = ((long)bh * trv + (min(t + i, r_end - 1) - nv)) * D + c0;
+                    KV_UNROLL for (int j = 0; j < 8; ++j) x[i][j] = static_cast<float>(vr[base + j]);
+                }
+                KV_UNROLL for (int i = 0; i < 4; ++i) {
+                    if (t + i < r_end) {
+                        const int tk = t + i - start;
+                        const int pos = (tk % 8) * 32 + tk / 8;
+                        KV_UNROLL for (int m = 0; m < M; ++m) {
+                            const float p = sc[m * TILE + pos];
+                            KV_UNROLL for (int j = 0; j < 8; ++j) acc[m][j] += p * x[i][j];
+                        }
                     }
                 }
             }
@@ -517,7 +542,7 @@ def _stand_in(dtype) -> mx.array:
 def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
                            key_bits: int, value_bits: int, group_size: int, backend: str = "cuda",
                            tiles_per_block: int | None = None, tensor_cores: bool = False,
-                           steps_per_warp: int | None = None) -> mx.array:
+                           steps_per_warp: int | None = None, one_launch: bool = False) -> mx.array:
     """The fused kernels; same contract as `decode_attention_reference` for supported inputs.
 
     tensor_cores=True (CUDA, where kivi_attention_mma covers the call: fp16, 2/4-bit codes): the
@@ -566,23 +591,26 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     inputs = [q, kc, ks, kz, kr, vc, vs, vz, vr, dims, params]
     template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
                 ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
-    if nbm:
-        template.append(("ST", step_tokens))
-    if nbm:  # one launch: the scalar kernel's blocks and the tensor-core kernel's
+    if nbm and one_launch:  # the scalar kernel's blocks and the tensor-core kernel's
         assert THREADS == kivi_attention_mma.THREADS
         scalar_body = CUDA_ATTN_SOURCE.split("\n", 1)[1]  # without its first line (tid, blk, bh)
-        o_part, stats, o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, template, D, M, rows, header,
-                                                                   scalar_body)
+        o_part, stats, o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, template + [("ST", step_tokens)],
+                                                                   D, M, rows, header, scalar_body)
     else:
         o_mma, st_mma = dummy(mx.float32), dummy(mx.float32)
-        o_part, stats = _kernel("attn", backend)(
-            inputs=inputs,
-            template=template,
-            grid=(nb * THREADS, rows, 1),
-            threadgroup=(THREADS, 1, 1),
-            output_shapes=[(rows, nb, M, D), (rows, nb, M, 2)],
-            output_dtypes=[mx.float32, mx.float32],
-        )
+        if nbm:
+            o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, template + [("ST", step_tokens)],
+                                                        D, M, rows, header, None)
+        o_part, stats = dummy(mx.float32), dummy(mx.float32)
+        if nb:  # none where the tensor-core kernel took every token
+            o_part, stats = _kernel("attn", backend)(
+                inputs=inputs,
+                template=template,
+                grid=(nb * THREADS, rows, 1),
+                threadgroup=(THREADS, 1, 1),
+                output_shapes=[(rows, nb, M, D), (rows, nb, M, 2)],
+                output_dtypes=[mx.float32, mx.float32],
+            )
     total = rows * M * D
     threads = 256
     (out,) = _kernel("combine", backend)(

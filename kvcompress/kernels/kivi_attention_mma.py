@@ -452,11 +452,12 @@ BODY = """
     }
 """
 
-def source(scalar_body: str) -> str:
-    """One kernel of two kinds of blocks: the first dims[7] run the scalar kernel's body (the tokens
-    from dims[9] on: residuals and the rest), the others this one's. The scalar blocks come first so
-    the GPU starts them first, and their few long tiles overlap the many tensor-core steps instead of
-    running after them as a second launch (a launch of 8 blocks at 32k: latency, not work)."""
+def source(scalar_body: str | None) -> str:
+    """With a scalar body: one kernel of two kinds of blocks, the first dims[7] running the scalar
+    kernel's body (the tokens from dims[9] on: residuals and the rest), the others this one's. Without:
+    this kernel's blocks alone (the scalar kernel then runs as its own launch)."""
+    if scalar_body is None:
+        return "const int tid = threadIdx.x; const long bh = blockIdx.y; const int blk = blockIdx.x;\n" + BODY
     return ("const int tid = threadIdx.x; const long bh = blockIdx.y;\n"
             "if ((int)blockIdx.x < dims[7]) {\n const int blk = blockIdx.x;\n" + scalar_body + "\n} else {\n"
             " const int blk = blockIdx.x - dims[7];\n" + BODY + "\n}\n")
@@ -464,16 +465,17 @@ def source(scalar_body: str) -> str:
 
 INPUTS = ["q", "kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "dims", "params"]
 OUTPUTS = ["o_part", "stats", "o_mma", "st_mma"]
-_kernels: dict[tuple[str, str], object] = {}  # (header, scalar body) -> kernel
+_kernels: dict[tuple[str, str | None], object] = {}  # (header, scalar body) -> kernel
 
 
-def _kernel(header: str, scalar_body: str):
+def _kernel(header: str, scalar_body: str | None):
     key = (header, scalar_body)  # str hashes are cached: a cheap lookup per layer and step
     if key not in _kernels:
         full, body = header + HEADER, source(scalar_body)
         # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
         name = f"kivi_decode_attention_mma_{zlib.crc32((full + body).encode()):08x}"
-        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=INPUTS, output_names=OUTPUTS, source=body,
+        outputs = OUTPUTS if scalar_body is not None else OUTPUTS[2:]
+        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=INPUTS, output_names=outputs, source=body,
                                             header=full)
     return _kernels[key]
 
@@ -509,15 +511,18 @@ def default_steps_per_warp(steps: int, rows: int) -> int:
 
 
 def partials(inputs: list, dims_values: list[int], template: list, D: int, M: int, rows: int, header: str,
-             scalar_body: str):
-    """Launch both kinds of blocks: the scalar kernel's partials [rows, dims[7], M, D] and (max, sum)
-    [rows, dims[7], M, 2], then this kernel's [rows, dims[10], ...]."""
+             scalar_body: str | None):
+    """This kernel's partials [rows, dims[10], M, D] and (max, sum) [rows, dims[10], M, 2]; with a
+    scalar body, first the scalar kernel's [rows, dims[7], ...] from the same launch."""
     nb, nbm = dims_values[7], dims_values[10]
+    shapes = [(rows, nbm, M, D), (rows, nbm, M, 2)]
+    if scalar_body is not None:
+        shapes = [(rows, max(nb, 1), M, D), (rows, max(nb, 1), M, 2)] + shapes
     return _kernel(header, scalar_body)(
         inputs=inputs,
         template=template,
-        grid=((nb + nbm) * THREADS, rows, 1),
+        grid=((nbm + (nb if scalar_body is not None else 0)) * THREADS, rows, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(rows, max(nb, 1), M, D), (rows, max(nb, 1), M, 2), (rows, nbm, M, D), (rows, nbm, M, 2)],
-        output_dtypes=[mx.float32] * 4,
+        output_shapes=shapes,
+        output_dtypes=[mx.float32] * len(shapes),
     )

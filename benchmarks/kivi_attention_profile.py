@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--module", default=None, help="another kivi_attention.py file to run instead")
     parser.add_argument("--tensor-cores", action="store_true", help="the tensor-core kernel (kivi_attention_mma.py)")
     parser.add_argument("--steps", type=int, default=None, help="its steps per warp (default: its own choice)")
+    parser.add_argument("--one-launch", action="store_true", help="its blocks and the scalar tail's in one launch")
     args = parser.parse_args()
     module = kivi_attention
     if args.module:
@@ -45,7 +46,7 @@ def main() -> None:
     view = cache.update_and_fetch(k[:, :, T - 1 :], v[:, :, T - 1 :])
     mx.eval(view)
     for _ in range(args.calls):
-        extra = dict(tensor_cores=True, steps_per_warp=args.steps) if args.tensor_cores else {}
+        extra = dict(tensor_cores=args.tensor_cores, steps_per_warp=args.steps, one_launch=args.one_launch)
         out = module.decode_attention_fused(q, *view, 128**-0.5, False, args.bits, args.bits, 32, "cuda", **extra)
         mx.eval(out)
     want = kivi_attention.decode_attention_reference(q, *view, 128**-0.5, None, args.bits, args.bits, 32)

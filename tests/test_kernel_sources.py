@@ -162,6 +162,39 @@ def test_kivi_decode_attention_tensor_cores_run_as_the_reference(emulated_cuda, 
     assert relative_l2(got, want) < 1e-3
 
 
+def test_tensor_cores_are_the_default_for_2_bit_codes(emulated_cuda, monkeypatch):
+    launches = []
+    real = kivi_attention_mma.partials
+    monkeypatch.setattr(kivi_attention_mma, "partials", lambda *a, **k: launches.append(a[1]) or real(*a, **k))
+    for bits, expected in ((2, 1), (4, 0)):
+        launches.clear()
+        q, keys, values = kivi_attention.random_case(bits, bits, 32, 64, 4, 1, mx.float16, seed=bits, T=900, n_k=832,
+                                                     n_v=780)
+        got = kivi_attention.decode_attention_fused(q, keys, values, 64**-0.5, False, bits, bits, 32, "cuda")
+        assert len(launches) == expected
+        if expected:  # dims: the tensor-core kernel took the 768 tokens below the residuals, 16 steps a warp
+            assert launches[0][9] == 768 and launches[0][11] == 16
+        want = kivi_attention.decode_attention_reference(q.astype(mx.float32), kivi_attention._as_f32(keys),
+                                                         kivi_attention._as_f32(values), 64**-0.5, None, bits, bits, 32)
+        assert relative_l2(got, want) < 1e-3
+
+
+def test_tensor_cores_cover_only_what_fits():
+    def covers(D, M, bits, dtype=mx.float16):
+        return kivi_attention_mma.supported(mx.zeros((1, 1, 1, D), dtype=dtype), bits, bits, 32, M)
+
+    assert covers(128, 4, 2) and covers(128, 5, 4) and covers(64, 7, 2)
+    assert not covers(128, 5, 2) and not covers(128, 8, 4) and not covers(256, 1, 2)  # 48 KiB of shared memory
+    assert not covers(128, 4, 2, mx.bfloat16) and not covers(128, 4, 8)
+    for D, M, bits in ((128, 4, 2), (128, 5, 4), (64, 8, 4)):
+        assert kivi_attention_mma.shared_bytes(D, M, bits, bits, 32) <= kivi_attention_mma.SHARED_LIMIT
+    # rows that allow the copies: whole 16-byte key rows; two key groups a step need an even count
+    # (G 32 < 64-token steps); one value group a token needs an even number of value rows
+    assert kivi_attention_mma.aligned(8, 13, 781, 4, 64, 32)
+    assert not kivi_attention_mma.aligned(8, 13, 780, 4, 32, 64) and not kivi_attention_mma.aligned(6, 12, 780, 4, 32, 64)
+    assert not kivi_attention_mma.aligned(8, 12, 781, 1, 128, 64) and kivi_attention_mma.aligned(8, 12, 782, 1, 128, 64)
+
+
 @pytest.mark.parametrize("bits, G, per_channel", [(2, 32, False), (4, 64, False), (8, 128, False), (2, 32, True),
                                                   (4, 32, True), (8, 64, True), (2, 128, True)])
 def test_kivi_quantize_pack_is_bit_exact(emulated_cuda, bits, G, per_channel):

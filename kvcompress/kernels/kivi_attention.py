@@ -527,6 +527,14 @@ def _params(scale: float) -> mx.array:
     return _params_cache[scale]
 
 
+def tensor_cores_by_default(key_bits: int, value_bits: int) -> bool:
+    """Whether decode_attention_fused uses the tensor-core kernel where it covers a call
+    (tensor_cores=None): for 2-bit keys and values. Measured on the H200 (KIVI_GPU_NOTES.md, stop 20;
+    us a layer, 8 / 32 / 128k tokens, one launch, 16 steps a warp): KIVI-2 30.2 / 65.0 / 176.0 against
+    this module's kernel's 37.7 / 105.0 / 240.7; KIVI-4 34.0-36.3 / 91.0 / 232.3 against 30.7 / 76.4 /
+    231.9 (its 32-token steps issue twice the loads per code byte), so 4-bit codes stay here."""
+    return key_bits == 2 and value_bits == 2
+
 _stand_ins: dict[tuple[str, str], mx.array] = {}
 
 
@@ -541,14 +549,15 @@ def _stand_in(dtype) -> mx.array:
 
 def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
                            key_bits: int, value_bits: int, group_size: int, backend: str = "cuda",
-                           tiles_per_block: int | None = None, tensor_cores: bool = False,
-                           steps_per_warp: int | None = None, one_launch: bool = False) -> mx.array:
+                           tiles_per_block: int | None = None, tensor_cores: bool | None = None,
+                           steps_per_warp: int | None = None, one_launch: bool = True) -> mx.array:
     """The fused kernels; same contract as `decode_attention_reference` for supported inputs.
 
-    tensor_cores=True (CUDA, where kivi_attention_mma covers the call: fp16, 2/4-bit codes): the
-    tensor-core kernel takes the packed tokens [0, n_full) and this module's kernel the rest
-    (residuals, the causal band, a part step) in the same launch; one combine merges their partials.
-    Off by default: measured slower than this module's kernel on the H200 (KIVI_GPU_NOTES.md, stop 19)."""
+    tensor_cores (CUDA, where kivi_attention_mma covers the call: fp16, 2/4-bit codes, D 64/128, the
+    shared memory fits): the tensor-core kernel takes the packed tokens [0, n_full) and this module's
+    kernel the rest (residuals, the causal band, a part step); one combine merges their partials.
+    None: `tensor_cores_by_default` (2-bit codes); True where it does not cover the call: ValueError.
+    one_launch: both kernels' blocks in one launch (default; measured faster at 8k and 32k) or two."""
     B, n_q, L, D = queries.shape
     n_kv = keys.residual.shape[1]
     M = n_q // n_kv * L
@@ -570,8 +579,11 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     n_full = 0
     step_tokens = kivi_attention_mma.step_tokens(key_bits, value_bits)
     aligned = kivi_attention_mma.aligned(kwrow, kgrow, vcap, D // group_size, group_size, step_tokens)
-    if backend == "cuda" and tensor_cores and aligned \
-            and kivi_attention_mma.supported(queries, key_bits, value_bits, group_size, M):
+    covered = backend == "cuda" and aligned and kivi_attention_mma.supported(queries, key_bits, value_bits,
+                                                                            group_size, M)
+    if tensor_cores is None:
+        tensor_cores = covered and tensor_cores_by_default(key_bits, value_bits)
+    if tensor_cores and covered:
         n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
     elif tensor_cores:
         raise ValueError("tensor_cores=True: kivi_attention_mma does not cover this call")

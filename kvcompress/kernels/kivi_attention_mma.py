@@ -6,20 +6,27 @@ KV heads x 4 rows, D 128) it issued ~25 M warp instructions in 82 us at 0.37 ins
 per scheduler, with 8 warps an SM. Here the products run as `mma.sync` m16n8k16 (fp16 in, fp32
 accumulation) and a code costs ~2.5 integer/half2 instructions on its way into a fragment.
 
-Status: opt-in (`decode_attention_fused(..., tensor_cores=True)`), not the dispatch's choice. On the
-H200 it is correct (tests/test_kivi_attention.py) but not faster: at 32k, 4 steps a warp, KIVI-2
-84 us a layer against the scalar kernel's 94 (SDPA 68), KIVI-4 98 against 93; at 128k KIVI-2 231
-against 250, KIVI-4 320 against 258 (benchmarks/KIVI_GPU_NOTES.md, stop 19). Nsight Compute: 144
-registers (3 blocks an SM, 12 warps), latency-bound on loads (L1 41%, DRAM 7%, compute 22%): the 8
-lanes of a fragment row load the same key words and scales, one chunk's loads at a time.
+Status: the default for 2-bit keys and values on CUDA (kivi_attention.tensor_cores_by_default), opt-in
+for 4-bit codes (`decode_attention_fused(..., tensor_cores=True)`). On the H200, 32k tokens, KIVI-2:
+65 us a layer against the scalar kernel's 105 and SDPA's 68 on the full cache (benchmarks/
+KIVI_GPU_NOTES.md, stop 20). Nsight Compute (16 steps a warp): the SMs' L1/shared-memory pipe is the
+bound (~90% of the active SMs' cycles): each cp.async of a step's key codes and scales touches 32
+channel rows (32 cache lines for 16 or 4 bytes each), and each 16-byte shared load takes four passes
+although 8 lanes read the same words. DRAM is at 6%.
 
 The problem is the one of kivi_attention.py (rows rep-major, post-RoPE queries); this kernel takes
 the tokens [0, n_full) with n_full a multiple of 64 that every row sees (below the key and value
 residuals and the causal band), and the scalar kernel the rest, in the same softmax: both leave
 partial outputs with their running max and sum, and one combine merges them (kivi_attention.py).
 
-Each warp is on its own (no block barrier until the end): it walks steps of 64 tokens, keeping an
-online softmax per query row. With lane l, r = l / 4 and k = l % 4:
+Each warp is on its own (no block barrier until the end): it walks steps of ST tokens (64 for 2-bit
+codes, 32 where either side has 4-bit codes: 16 bytes of key codes a channel), keeping an online
+softmax per query row. A step's key codes, key scales and zeros, value codes, value scales and zeros
+come into the warp's own area of shared memory by asynchronous copies (cp.async), each byte copied
+once by one lane, one phase ahead: the next step's keys while this step's values are used, the next
+step's values while its scores are computed. (Before, each lane loaded its own fragments' words
+from global memory, the 8 lanes of a fragment row the same ones, and each chunk waited for its loads:
+84 us a layer at 32k.) With lane l, r = l / 4 and k = l % 4:
 - scores S^T [16 tokens x 8 rows] = K [16 x D] . Q^T [D x 8]: the key codes are the A operand.
   A key word holds 32 / KB tokens of one channel; `(w >> shift) & mask` puts the codes of two
   tokens (one per 16-bit half, r and r + 8 of the sub-block; for KB = 4, r's word and offset
@@ -38,8 +45,9 @@ online softmax per query row. With lane l, r = l / 4 and k = l % 4:
   out = sum_t p_t s_t c_t + sum_t p_t z_t, exact products of fp16 numbers in fp32 sums.
 At the end the block's warps meet once in shared memory and leave one partial per block.
 
-Supported (`supported`): fp16, key and value bits 2 or 4, D 64, 128 or 256, group size
-a multiple of 32 dividing D, 1..8 rows. CUDA only: the fragments are PTX's; Metal runs the scalar
+Supported (`supported`, `aligned`): fp16, key and value bits 2 or 4, D 64 or 128, group size a
+multiple of 32 dividing D, 1..8 rows where the one launch's static shared memory fits in 48 KiB (the
+scalar kernel's tile scores grow with the rows: at D 128, 2-bit codes fit up to 4 rows, 4-bit up to 5). CUDA only: the fragments are PTX's; Metal runs the scalar
 kernel. The CPU emulator (tests/cuda_on_cpu.py) has its own mma, movmatrix and half2 arithmetic,
 so the fragment bookkeeping is tested without a GPU.
 """
@@ -505,9 +513,11 @@ def tokens_covered(n_keys_packed: int, n_values_packed: int, total: int, query_p
 
 
 def default_steps_per_warp(steps: int, rows: int) -> int:
-    """About 1024 warps in all: 4 steps a warp at 32k x 8 KV heads, the fastest of 1/2/3/4/8 measured
-    there on the H200 (KIVI-2 84 us a layer; 1 step: 99 us)."""
-    return max(1, -(-steps * rows // 1024))
+    """16 steps a warp: the fastest measured on the H200 at 8k, 32k and 128k tokens x 8 KV heads
+    (KIVI-2, one launch: 30.2 / 65.0 / 176.0 us a layer; ~1024 warps in all, i.e. 1 / 4 / 16 steps:
+    43.3 / 85.6 / 171.8). Fewer, longer warps leave fewer partials to combine, and the combine's loop
+    over them is its cost."""
+    return 16
 
 
 def partials(inputs: list, dims_values: list[int], template: list, D: int, M: int, rows: int, header: str,

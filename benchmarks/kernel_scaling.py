@@ -56,7 +56,7 @@ def load_old(path: str):
 
 
 def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], contexts: list[int],
-               steps: list[int]) -> None:
+               steps: list[int], prefetch: list[int]) -> None:
     print("\n## decode attention per layer: 8 KV heads, 32 query heads, D 128, fp16, KIVI G 32, residual 128")
     kernels = {"fused": kivi_attention}
     for path in old_paths:
@@ -92,6 +92,8 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
             paths += [(f"tensor cores, {n} steps/warp{', one launch' if one else ''}", kivi_attention, None,
                        kivi_attention.THREADS, dict(tensor_cores=True, steps_per_warp=n, one_launch=one))
                       for n in steps for one in (False, True)]
+            paths += [(f"tensor cores, L2 prefetch {pf} B", kivi_attention, None, kivi_attention.THREADS,
+                       dict(tensor_cores=True, l2_prefetch=pf)) for pf in prefetch]
             for path, module, tpb, n_threads, extra in paths:
                 default_threads, module.THREADS = module.THREADS, n_threads
                 us = 1e3 * median_eval_ms(lambda: [module.decode_attention_fused(q, *view, scale, False, bits, bits, 32, "cuda",
@@ -115,6 +117,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 131072])
     parser.add_argument("--steps", type=int, nargs="*", default=[],
                         help="also time the tensor-core kernel (kivi_attention_mma.py) at these steps per warp")
+    parser.add_argument("--prefetch", type=int, nargs="*", default=[],
+                        help="also time the tensor-core kernel with these L2 prefetch sizes (0, 64, 128, 256 bytes)")
     args = parser.parse_args()
     print(f"device {mx.default_device()}, MLX {mx.__version__}")
     parts = args.parts or ["quant", "attn"]
@@ -125,7 +129,7 @@ def main() -> None:
     if "quant" in parts:
         quant_table()
     if "attn" in parts:
-        attn_table(args.old, args.tiles, args.threads, args.contexts, args.steps)
+        attn_table(args.old, args.tiles, args.threads, args.contexts, args.steps, args.prefetch)
 
 
 if __name__ == "__main__":

@@ -165,6 +165,8 @@ def main():
         q, keys, values = kivi_attention.random_case(bits, bits, 32, 128, 4, 1, mx.float16)
         kivi_attention.decode_attention_fused(q, keys, values, 128**-0.5, False, bits, bits, 32, "cuda",
                                               tensor_cores=True)
+    kivi_attention.decode_attention_fused(q, keys, values, 128**-0.5, False, 4, 4, 32, "cuda", tensor_cores=True,
+                                          l2_prefetch=256)  # the prefetch hints' PTX
     width = max(len(r[1]) for r in compiler.rows)
     for _, instance, info in compiler.rows:
         print(f"{instance:<{width}}  {info}")

@@ -180,7 +180,7 @@ template <typename P, typename T> void load_matrices_x4(P* r, const T* row) {
 inline void copy16_async(void* shared, const void* global, bool valid) {
     if (valid) std::memcpy(shared, global, 16); else std::memset(shared, 0, 16);
 }
-template <int N> void copy_async(void* shared, const void* global) { std::memcpy(shared, global, N); }
+template <int N, int PF = 0> void copy_async(void* shared, const void* global) { std::memcpy(shared, global, N); }
 inline void copies_commit() {}
 template <int PENDING> void copies_wait() {}
 template <class F> void launch(int blocks_x, int blocks_y, int threads, F body) {

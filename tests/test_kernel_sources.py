@@ -155,7 +155,8 @@ def test_kivi_decode_attention_tensor_cores_run_as_the_reference(emulated_cuda, 
     assert kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, 900, L, causal) == 768
     got = kivi_attention.decode_attention_fused(q, keys, values, D**-0.5, causal, key_bits, value_bits, G, "cuda",
                                                 tiles_per_block=1, tensor_cores=True, steps_per_warp=steps_per_warp,
-                                                one_launch=steps_per_warp % 2 == 0)
+                                                one_launch=steps_per_warp % 2 == 0,
+                                                l2_prefetch=64 * (steps_per_warp - 1))  # a hint: same numbers
     want = kivi_attention.decode_attention_reference(q.astype(mx.float32), kivi_attention._as_f32(keys),
                                                      kivi_attention._as_f32(values), D**-0.5,
                                                      "causal" if causal else None, key_bits, value_bits, G)
@@ -193,6 +194,9 @@ def test_tensor_cores_cover_only_what_fits():
     assert kivi_attention_mma.aligned(8, 13, 781, 4, 64, 32)
     assert not kivi_attention_mma.aligned(8, 13, 780, 4, 32, 64) and not kivi_attention_mma.aligned(6, 12, 780, 4, 32, 64)
     assert not kivi_attention_mma.aligned(8, 12, 781, 1, 128, 64) and kivi_attention_mma.aligned(8, 12, 782, 1, 128, 64)
+    q, keys, values = kivi_attention.random_case(2, 2, 32, 64, 4, 1, mx.float16)
+    with pytest.raises(ValueError, match="l2_prefetch: expected 0, 64, 128 or 256, got 32"):
+        kivi_attention.decode_attention_fused(q, keys, values, 0.125, False, 2, 2, 32, "cuda", l2_prefetch=32)
 
 
 @pytest.mark.parametrize("bits, G, per_channel", [(2, 32, False), (4, 64, False), (8, 128, False), (2, 32, True),

@@ -550,14 +550,17 @@ def _stand_in(dtype) -> mx.array:
 def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
                            key_bits: int, value_bits: int, group_size: int, backend: str = "cuda",
                            tiles_per_block: int | None = None, tensor_cores: bool | None = None,
-                           steps_per_warp: int | None = None, one_launch: bool = True) -> mx.array:
+                           steps_per_warp: int | None = None, one_launch: bool = True,
+                           l2_prefetch: int = 0) -> mx.array:
     """The fused kernels; same contract as `decode_attention_reference` for supported inputs.
 
     tensor_cores (CUDA, where kivi_attention_mma covers the call: fp16, 2/4-bit codes, D 64/128, the
     shared memory fits): the tensor-core kernel takes the packed tokens [0, n_full) and this module's
     kernel the rest (residuals, the causal band, a part step); one combine merges their partials.
     None: `tensor_cores_by_default` (2-bit codes); True where it does not cover the call: ValueError.
-    one_launch: both kernels' blocks in one launch (default; measured faster at 8k and 32k) or two."""
+    one_launch: both kernels' blocks in one launch (default; measured faster at 8k and 32k) or two.
+    l2_prefetch (0, 64, 128, 256): the tensor-core kernel's key copies ask the L2 for that many bytes
+    around each (a channel row is read 16 bytes a step); 0, the measured default, asks nothing."""
     B, n_q, L, D = queries.shape
     n_kv = keys.residual.shape[1]
     M = n_q // n_kv * L
@@ -587,6 +590,8 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
         n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
     elif tensor_cores:
         raise ValueError("tensor_cores=True: kivi_attention_mma does not cover this call")
+    if l2_prefetch not in (0, 64, 128, 256):
+        raise ValueError(f"l2_prefetch: expected 0, 64, 128 or 256, got {l2_prefetch}")
     n_tiles = -(-(T - n_full) // TILE)
     tpb = tiles_per_block or default_tiles_per_block(n_tiles, rows)
     nb = -(-n_tiles // tpb)
@@ -603,16 +608,16 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     inputs = [q, kc, ks, kz, kr, vc, vs, vz, vr, dims, params]
     template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
                 ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
+    mma_template = template + [("ST", step_tokens), ("PF", l2_prefetch)]
     if nbm and one_launch:  # the scalar kernel's blocks and the tensor-core kernel's
         assert THREADS == kivi_attention_mma.THREADS
         scalar_body = CUDA_ATTN_SOURCE.split("\n", 1)[1]  # without its first line (tid, blk, bh)
-        o_part, stats, o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, template + [("ST", step_tokens)],
-                                                                   D, M, rows, header, scalar_body)
+        o_part, stats, o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, mma_template, D, M, rows,
+                                                                   header, scalar_body)
     else:
         o_mma, st_mma = dummy(mx.float32), dummy(mx.float32)
         if nbm:
-            o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, template + [("ST", step_tokens)],
-                                                        D, M, rows, header, None)
+            o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, mma_template, D, M, rows, header, None)
         o_part, stats = dummy(mx.float32), dummy(mx.float32)
         if nb:  # none where the tensor-core kernel took every token
             o_part, stats = _kernel("attn", backend)(

@@ -125,10 +125,18 @@ __device__ __forceinline__ unsigned int h2_pack(float lo, float hi) {
     return d;
 }
 // N bytes (4, 8 or 16) from global to shared memory without passing through registers (cp.async);
-// a commit closes a group of them, a wait leaves at most PENDING of this thread's groups in flight
-template <int N> __device__ __forceinline__ void copy_async(void* shared, const void* global) {
+// a commit closes a group of them, a wait leaves at most PENDING of this thread's groups in flight.
+// PF (0, 64, 128 or 256): the L2 also fetches the PF-byte block around the source (a hint, same
+// result), for rows read a few bytes a step
+template <int N, int PF = 0> __device__ __forceinline__ void copy_async(void* shared, const void* global) {
     const unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
-    if (N == 16) {
+    if (PF == 256) {
+        asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], %2;" :: "r"(address), "l"(global), "n"(N) : "memory");
+    } else if (PF == 128) {
+        asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], %2;" :: "r"(address), "l"(global), "n"(N) : "memory");
+    } else if (PF == 64) {
+        asm volatile("cp.async.ca.shared.global.L2::64B [%0], [%1], %2;" :: "r"(address), "l"(global), "n"(N) : "memory");
+    } else if (N == 16) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(address), "l"(global) : "memory");
     } else {
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(address), "l"(global), "n"(N) : "memory");
@@ -237,12 +245,12 @@ BODY = """
         const int t_base = step * ST;
         _Pragma("unroll 1") for (int ch = lane; ch < D; ch += 32) {
             const long row = (long)bh * D + ch;
-            copy_async<4 * KWS>(stage + S_KW + ch * KWS, kc + row * kwrow + t_base * KB / 32);
+            copy_async<4 * KWS, PF>(stage + S_KW + ch * KWS, kc + row * kwrow + t_base * KB / 32);
             // the aligned 32-bit pair of halves holding the step's group(s) (both of them where G < ST:
             // then kgrow is even, so the step's first group starts a pair)
             const long g = (row * kgrow + t_base / G) & ~1L;
-            copy_async<4>(stage + S_KSZ + 2 * ch, ksh + g);
-            copy_async<4>(stage + S_KSZ + 2 * ch + 1, kzh + g);
+            copy_async<4, PF>(stage + S_KSZ + 2 * ch, ksh + g);
+            copy_async<4, PF>(stage + S_KSZ + 2 * ch + 1, kzh + g);
         }
     };
     auto copy_values = [&](int step) {

@@ -28,7 +28,9 @@ Accumulation is float32 throughout; the query is pre-scaled by scale * log2(e) a
 
 Supported: key/value bits 2, 4, 8 (3-bit codes straddle words: reference only), head_dim a multiple
 of 32 up to 256, 1..8 rows, mask None or "causal" (bottom-right aligned over the L query positions).
-Everything else runs the reference. `decode_attention` picks the path through kernels/dispatch.py;
+Everything else runs the reference. On CUDA, fp16 calls with 2-bit keys and values give their packed
+bulk to the tensor-core kernel (kivi_attention_mma.py) and keep the rest (residuals, the causal band)
+here, in one launch and one softmax. `decode_attention` picks the path through kernels/dispatch.py;
 on the CPU the same cases (float32, whole key groups) run a C++ kernel (kivi_attention_cpu.py).
 """
 

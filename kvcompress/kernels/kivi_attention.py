@@ -166,6 +166,25 @@ _ATTN_BODY = """
     const int tl = tid / CG;
     const int c0 = cg * 8;
 
+    // one value token of codes into the outputs: tile token TK (its probabilities' column in sc), code
+    // words W0 (W1: 8-bit codes' second word), scale SV and zero ZV of this thread's 8 channels:
+    // out_c += (p s) c + p z, the p z term summed apart (zacc)
+#define ADD_CODED_TOKEN(TK, W0, W1, SV, ZV) do { \
+        const int pos_ = ((TK) % 8) * 32 + (TK) / 8; \
+        float ps_[M]; \
+        KV_UNROLL for (int m = 0; m < M; ++m) { \
+            const float p_ = sc[m * TILE + pos_]; \
+            ps_[m] = p_ * (SV); \
+            zacc[m] += p_ * (ZV); \
+        } \
+        KV_UNROLL for (int j = 0; j < 8; ++j) { \
+            const int bit = j * VB; \
+            const unsigned int code = ((bit < 32) ? ((W0) >> (vsh + bit)) : ((W1) >> (bit - 32))) & VMASK; \
+            const float cf = CODE_TO_FLOAT(code); \
+            KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps_[m] * cf; \
+        } \
+    } while (0)
+
     KV_SHARED float qs[D * M];
     KV_SHARED float sc[NW * M * TILE];  // partial scores, then probabilities (slice 0), then the output reduction
     KV_SHARED float run_max[M];
@@ -319,22 +338,7 @@ _ATTN_BODY = """
                     sv[i] = static_cast<float>(vs[row * VGROW + c0 / G]);
                     zv[i] = static_cast<float>(vz[row * VGROW + c0 / G]);
                 }
-                KV_UNROLL for (int i = 0; i < 8; ++i) {
-                    const int tk = tl * TPL + i0 + i;
-                    const int pos = (tk % 8) * 32 + tk / 8;
-                    float ps[M];
-                    KV_UNROLL for (int m = 0; m < M; ++m) {
-                        const float p = sc[m * TILE + pos];
-                        ps[m] = p * sv[i];
-                        zacc[m] += p * zv[i];
-                    }
-                    KV_UNROLL for (int j = 0; j < 8; ++j) {
-                        const int bit = j * VB;
-                        const unsigned int code = ((bit < 32) ? (cw0[i] >> (vsh + bit)) : (cw1[i] >> (bit - 32))) & VMASK;
-                        const float cf = CODE_TO_FLOAT(code);
-                        KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
-                    }
-                }
+                KV_UNROLL for (int i = 0; i < 8; ++i) ADD_CODED_TOKEN(tl * TPL + i0 + i, cw0[i], cw1[i], sv[i], zv[i]);
             }
         } else {  // a tile with residual tokens or the cache's end: codes, then residual values, 4 tokens
             // at a time with their loads first (token by token, the tile waited a memory latency per token)
@@ -350,22 +354,7 @@ _ATTN_BODY = """
                     zv[i] = static_cast<float>(vz[row * VGROW + c0 / G]);
                 }
                 KV_UNROLL for (int i = 0; i < 4; ++i) {
-                    if (t + i < c_end) {
-                        const int tk = t + i - start;
-                        const int pos = (tk % 8) * 32 + tk / 8;
-                        float ps[M];
-                        KV_UNROLL for (int m = 0; m < M; ++m) {
-                            const float p = sc[m * TILE + pos];
-                            ps[m] = p * sv[i];
-                            zacc[m] += p * zv[i];
-                        }
-                        KV_UNROLL for (int j = 0; j < 8; ++j) {
-                            const int bit = j * VB;
-                            const unsigned int code = ((bit < 32) ? (w0[i] >> (vsh + bit)) : (w1[i] >> (bit - 32))) & VMASK;
-                            const float cf = CODE_TO_FLOAT(code);
-                            KV_UNROLL for (int m = 0; m < M; ++m) acc[m][j] += ps[m] * cf;
-                        }
-                    }
+                    if (t + i < c_end) ADD_CODED_TOKEN(t + i - start, w0[i], w1[i], sv[i], zv[i]);
                 }
             }
             const int r_end = min(vt0 + TPL, T_total);

@@ -180,6 +180,15 @@ def test_tensor_cores_are_the_default_for_2_bit_codes(emulated_cuda, monkeypatch
         assert relative_l2(got, want) < 1e-3
 
 
+def test_tensor_cores_alone_where_no_token_is_left(emulated_cuda):
+    # whole steps of codes on both sides and no residual: no scalar blocks in the launch, none to combine
+    q, keys, values = kivi_attention.random_case(2, 2, 32, 64, 4, 1, mx.float16, seed=7, T=768, n_k=768, n_v=768)
+    got = kivi_attention.decode_attention_fused(q, keys, values, 64**-0.5, False, 2, 2, 32, "cuda")
+    want = kivi_attention.decode_attention_reference(q.astype(mx.float32), kivi_attention._as_f32(keys),
+                                                     kivi_attention._as_f32(values), 64**-0.5, None, 2, 2, 32)
+    assert relative_l2(got, want) < 1e-3
+
+
 def test_tensor_cores_cover_only_what_fits():
     def covers(D, M, bits, dtype=mx.float16):
         return kivi_attention_mma.supported(mx.zeros((1, 1, 1, D), dtype=dtype), bits, bits, 32, M)

@@ -9,10 +9,11 @@ accumulation) and a code costs ~2.5 integer/half2 instructions on its way into a
 Status: the default for 2-bit keys and values on CUDA (kivi_attention.tensor_cores_by_default), opt-in
 for 4-bit codes (`decode_attention_fused(..., tensor_cores=True)`). On the H200, 32k tokens, KIVI-2:
 65 us a layer against the scalar kernel's 105 and SDPA's 68 on the full cache (benchmarks/
-KIVI_GPU_NOTES.md, stop 20). Nsight Compute (16 steps a warp): the SMs' L1/shared-memory pipe is the
-bound (~90% of the active SMs' cycles): each cp.async of a step's key codes and scales touches 32
-channel rows (32 cache lines for 16 or 4 bytes each), and each 16-byte shared load takes four passes
-although 8 lanes read the same words. DRAM is at 6%.
+KIVI_GPU_NOTES.md, stop 20). Nsight Compute (16 steps a warp): the active SMs' L1/shared-memory pipe
+is ~90% busy (each cp.async of a step's key codes and scales touches 32 channel rows, 32 cache lines
+for 16 or 4 bytes each; each 16-byte shared load takes four passes although 8 lanes read the same
+words), DRAM at 6%; yet 4 steps a warp on every SM take as long as 16 on half of them, so the bound
+may be DRAM serving those scattered sectors (`l2_prefetch` is there to test it).
 
 The problem is the one of kivi_attention.py (rows rep-major, post-RoPE queries); this kernel takes
 the tokens [0, n_full) with n_full a multiple of 64 that every row sees (below the key and value

@@ -458,6 +458,7 @@ CUDA_HEADER = """
 #define CODE_TO_FLOAT(u) (__uint_as_float(0x4B000000u | (u)) - 8388608.0f)
 """
 CUDA_ATTN_SOURCE = "const int tid = threadIdx.x; const int blk = blockIdx.x; const long bh = blockIdx.y;\n" + _ATTN_BODY
+_CUDA_ATTN_BODY = CUDA_ATTN_SOURCE.split("\n", 1)[1]  # without its first line (tid, blk, bh): for the one launch
 CUDA_COMBINE_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;\n" + _COMBINE_BODY
 
 # Metal: simdgroups of 32 threads stand in for warps. UNTESTED here (no Apple GPU on these
@@ -602,9 +603,8 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     mma_template = template + [("ST", step_tokens), ("PF", l2_prefetch)]
     if nbm and one_launch:  # the scalar kernel's blocks and the tensor-core kernel's
         assert THREADS == kivi_attention_mma.THREADS
-        scalar_body = CUDA_ATTN_SOURCE.split("\n", 1)[1]  # without its first line (tid, blk, bh)
         o_part, stats, o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, mma_template, D, M, rows,
-                                                                   header, scalar_body)
+                                                                   header, _CUDA_ATTN_BODY)
     else:
         o_mma, st_mma = dummy(mx.float32), dummy(mx.float32)
         if nbm:

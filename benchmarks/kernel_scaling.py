@@ -86,7 +86,11 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
                 mx.eval(views[-1])
                 live += cache.live_kv_bytes
             per_layer = live / layers
-            paths = [(name, module, None, module.THREADS, {}) for name, module in kernels.items()]
+            # the scalar kernel (kivi_attention.py's own), then the dispatch's default (KIVI-2: tensor cores)
+            # (older copies given by --old may predate the tensor-core switch: called with their defaults)
+            paths = [(f"{name}, scalar kernel" if module is kivi_attention else name, module, None, module.THREADS,
+                      dict(tensor_cores=False) if module is kivi_attention else {}) for name, module in kernels.items()]
+            paths += [("fused, default", kivi_attention, None, kivi_attention.THREADS, {})]
             paths += [(f"fused, {t} tiles/block", kivi_attention, t, kivi_attention.THREADS, {}) for t in tiles]
             paths += [(f"fused, {n} threads/block", kivi_attention, None, n, {}) for n in threads]
             paths += [(f"tensor cores, {n} steps/warp{', one launch' if one else ''}", kivi_attention, None,

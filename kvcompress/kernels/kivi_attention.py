@@ -523,8 +523,8 @@ def tensor_cores_by_default(key_bits: int, value_bits: int) -> bool:
     """Whether decode_attention_fused uses the tensor-core kernel where it covers a call
     (tensor_cores=None): for 2-bit keys and values. Measured on the H200 (KIVI_GPU_NOTES.md, stop 20;
     us a layer, 8 / 32 / 128k tokens, one launch, 16 steps a warp): KIVI-2 30.2 / 65.0 / 176.0 against
-    this module's kernel's 37.7 / 105.0 / 240.7; KIVI-4 34.0-36.3 / 91.0 / 232.3 against 30.7 / 76.4 /
-    231.9 (its 32-token steps issue twice the loads per code byte), so 4-bit codes stay here."""
+    this module's kernel's 37.7 / 105.0 / 240.7; KIVI-4 36.3 / 91.0 / 232.3 against 30.7 / 76.4 / 231.9,
+    so 4-bit codes stay here."""
     return key_bits == 2 and value_bits == 2
 
 _stand_ins: dict[tuple[str, str], mx.array] = {}
@@ -553,6 +553,8 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     one_launch: both kernels' blocks in one launch (default; measured faster at 8k and 32k) or two.
     l2_prefetch (0, 64, 128, 256): the tensor-core kernel's key copies ask the L2 for that many bytes
     around each (a channel row is read 16 bytes a step); 0, the measured default, asks nothing."""
+    if l2_prefetch not in (0, 64, 128, 256):
+        raise ValueError(f"l2_prefetch: expected 0, 64, 128 or 256, got {l2_prefetch}")
     B, n_q, L, D = queries.shape
     n_kv = keys.residual.shape[1]
     M = n_q // n_kv * L
@@ -582,13 +584,11 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
         n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
     elif tensor_cores:
         raise ValueError("tensor_cores=True: kivi_attention_mma does not cover this call")
-    if l2_prefetch not in (0, 64, 128, 256):
-        raise ValueError(f"l2_prefetch: expected 0, 64, 128 or 256, got {l2_prefetch}")
     n_tiles = -(-(T - n_full) // TILE)
     tpb = tiles_per_block or default_tiles_per_block(n_tiles, rows)
     nb = -(-n_tiles // tpb)
     steps = n_full // step_tokens
-    spw = steps_per_warp or kivi_attention_mma.default_steps_per_warp(steps, rows)
+    spw = steps_per_warp or kivi_attention_mma.STEPS_PER_WARP
     nbm = -(-steps // (spw * kivi_attention_mma.WARPS)) if steps else 0
     kr = keys.residual if keys.residual.shape[2] else dummy(dtype)
     vr = values.residual if values.residual.shape[2] else dummy(dtype)

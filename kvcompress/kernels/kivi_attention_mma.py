@@ -65,6 +65,10 @@ STEP = 64  # the tokens this kernel takes are a multiple of this (both step size
 WARPS = 4
 THREADS = 32 * WARPS
 SHARED_LIMIT = 48 * 1024  # static shared memory a CUDA block may declare
+# Steps a warp takes by default: 16 was the fastest measured on the H200 at 8k, 32k and 128k tokens x
+# 8 KV heads (KIVI-2, one launch: 30.2 / 65.0 / 176.0 us a layer; ~1024 warps in all, i.e. 1 / 4 / 16
+# steps: 43.3 / 85.6 / 171.8). Fewer, longer warps leave fewer partials for the combine's loop.
+STEPS_PER_WARP = 16
 
 
 def step_tokens(key_bits: int, value_bits: int) -> int:
@@ -524,14 +528,6 @@ def tokens_covered(n_keys_packed: int, n_values_packed: int, total: int, query_p
     """The tokens [0, n) this kernel takes: codes on both sides, seen by every row, whole steps."""
     seen_by_all = total - query_positions + 1 if causal else total
     return min(n_keys_packed, n_values_packed, seen_by_all) // STEP * STEP
-
-
-def default_steps_per_warp(steps: int, rows: int) -> int:
-    """16 steps a warp: the fastest measured on the H200 at 8k, 32k and 128k tokens x 8 KV heads
-    (KIVI-2, one launch: 30.2 / 65.0 / 176.0 us a layer; ~1024 warps in all, i.e. 1 / 4 / 16 steps:
-    43.3 / 85.6 / 171.8). Fewer, longer warps leave fewer partials to combine, and the combine's loop
-    over them is its cost."""
-    return 16
 
 
 def partials(inputs: list, dims_values: list[int], template: list, D: int, M: int, rows: int, header: str,

@@ -123,13 +123,15 @@ def test_the_run_check_catches_a_wrong_kernel(emulated_cuda, monkeypatch):
 
 # -- the other kernels --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("key_bits, value_bits, L, causal", [(2, 4, 1, False), (4, 2, 2, True), (8, 8, 1, False)])
-def test_kivi_decode_attention_runs_as_the_reference(emulated_cuda, key_bits, value_bits, L, causal):
+# D 32 and 256: the combine's fewest and most channels a partial (32 and 4 partials read at once)
+@pytest.mark.parametrize("key_bits, value_bits, L, causal, D", [(2, 4, 1, False, 64), (4, 2, 2, True, 64),
+                                                                (8, 8, 1, False, 32), (4, 4, 1, False, 256)])
+def test_kivi_decode_attention_runs_as_the_reference(emulated_cuda, key_bits, value_bits, L, causal, D):
     M = 4 * L
-    q, keys, values = kivi_attention.random_case(key_bits, value_bits, 32, 64, M, L, mx.float32, seed=key_bits)
-    got = kivi_attention.decode_attention_fused(q, keys, values, 64**-0.5, causal, key_bits, value_bits, 32, "cuda",
+    q, keys, values = kivi_attention.random_case(key_bits, value_bits, 32, D, M, L, mx.float32, seed=key_bits)
+    got = kivi_attention.decode_attention_fused(q, keys, values, D**-0.5, causal, key_bits, value_bits, 32, "cuda",
                                                 tiles_per_block=2)
-    want = kivi_attention.decode_attention_reference(q, keys, values, 64**-0.5, "causal" if causal else None,
+    want = kivi_attention.decode_attention_reference(q, keys, values, D**-0.5, "causal" if causal else None,
                                                      key_bits, value_bits, 32)
     assert_close(got, want, "output", atol=1e-5)
 

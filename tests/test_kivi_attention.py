@@ -84,6 +84,8 @@ def test_fused_coverage():
     q32, k32, v32 = random_case(2, 2, 32, 64, 4, 1, mx.float32)
     mixed = PackedSide(k32.packed, k32.n_packed, k32.residual.astype(mx.float16))
     assert not fused_supported(q32, mixed, v32, None, 2, 2)  # one dtype for everything
+    q96, k96, v96 = random_case(2, 2, 32, 96, 4, 1, mx.float16)
+    assert not fused_supported(q96, k96, v96, None, 2, 2)  # D / 8 channel groups must divide a warp
 
 
 def test_cpu_dispatch_runs_the_cpu_kernel_after_its_self_test_and_records_it(monkeypatch):

@@ -26,8 +26,8 @@ one rescale. A second tiny kernel combines the blocks. Inside a tile:
   loop waited one memory latency per token: 96 -> 68-84 us per layer at 32k on the H200).
 Accumulation is float32 throughout; the query is pre-scaled by scale * log2(e) and exp2 is used.
 
-Supported: key/value bits 2, 4, 8 (3-bit codes straddle words: reference only), head_dim a multiple
-of 32 up to 256, 1..8 rows, mask None or "causal" (bottom-right aligned over the L query positions).
+Supported: key/value bits 2, 4, 8 (3-bit codes straddle words: reference only), head_dim 32, 64,
+128 or 256, 1..8 rows, mask None or "causal" (bottom-right aligned over the L query positions).
 Everything else runs the reference. On CUDA, fp16 calls with 2-bit keys and values give their packed
 bulk to the tensor-core kernel (kivi_attention_mma.py) and keep the rest (residuals, the causal band)
 here, in one launch and one softmax. `decode_attention` picks the path through kernels/dispatch.py;
@@ -47,9 +47,13 @@ from .kivi_attention_cpu import decode_attention_cpu
 from .kivi_attention_cpu import supported as cpu_supported
 
 FUSED_BITS = (2, 4, 8)
+# head dims the scalar kernel's thread layout covers: D / 8 channel groups, a power of two dividing a
+# warp, and its 128 threads an exact multiple of them (at D 96 a tile's last 6 tokens had no thread)
+FUSED_HEAD_DIMS = (32, 64, 128, 256)
 MAX_ROWS = 8
 TILE = 256  # tokens per tile: 32 lanes x 8 tokens
 THREADS = 128  # 4 warps
+COMBINE_THREADS = 256  # a (row, query row) of the combine: at least D (<= 256) threads
 
 
 class PackedSide(NamedTuple):
@@ -409,38 +413,71 @@ _ATTN_BODY = """
 """
 
 # Combine the blocks of each (batch, head) row, this kernel's and the tensor-core kernel's
-# (kivi_attention_mma.py, dims[10] blocks a row; none where it did not run): one thread per output element.
+# (kivi_attention_mma.py, dims[10] blocks a row; none where it did not run): one block of CT threads per
+# (row, query row). The partials are read in parallel: thread t owns channels 4 (t % (D/4)) .. +3 of every
+# (CT / (D/4))-th partial, and the slots meet in shared memory once. (One thread per output element
+# looping over every partial, as before, waited one memory latency per partial, twice: 25 us of a 32k
+# layer's ~80 on the H200 with 33 partials, Nsight Compute.)
 _COMBINE_BODY = """
+    constexpr int QUADS = D / 4;  // threads across the channels, 4 channels each
+    constexpr int SLOTS = CT / QUADS;  // partials read at once
+    constexpr int NW = CT / 32;
+    KV_SHARED float warp_max[NW];
+    KV_SHARED float warp_sum[NW];
+    KV_SHARED float slot_out[SLOTS * D];
     const int nb = dims[7];
     const int nbm = dims[10];
-    const long total = (long)dims[8] * M * D;
-    if (gid >= total) return;
-    const int d = gid % D;
-    const long bm = gid / D;
-    const long bh = bm / M;
-    const int m = bm % M;
-    float gmax = NEG_INF;
-    float num = 0.0f;
-    float den = 0.0f;
-    for (int pass = 0; pass < 2; ++pass) {  // the global max first, then the rescaled sums
-        for (int set = 0; set < 2; ++set) {  // this kernel's partials, then the tensor-core kernel's
-            const KV_DEVICE float* part = set ? o_mma : o_part;
-            const KV_DEVICE float* st = set ? st_mma : stats;
-            const int n = set ? nbm : nb;
-            for (int c = 0; c < n; ++c) {
-                const long i = (bh * n + c) * M + m;
-                const float mc = st[i * 2];
-                if (pass == 0) {
-                    gmax = FMAX(gmax, mc);
-                } else if (mc != NEG_INF) {
-                    const float w = EXP2(mc - gmax);
-                    num += w * part[i * D + d];
-                    den += w * st[i * 2 + 1];
-                }
-            }
-        }
+    const int n = nb + nbm;
+    const long bh = row / M;
+    const int m = row % M;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    // partial c: this kernel's blocks [0, nb), then the tensor-core kernel's
+#define PARTIAL_INDEX(c) ((c) < nb ? (bh * nb + (c)) * M + m : (bh * nbm + (c) - nb) * M + m)
+#define PARTIAL_STATS(c) ((c) < nb ? stats : st_mma)
+#define PARTIAL_OUT(c) ((c) < nb ? o_part : o_mma)
+    float top = NEG_INF;
+    for (int c = tid; c < n; c += CT) {
+        top = FMAX(top, PARTIAL_STATS(c)[PARTIAL_INDEX(c) * 2]);
     }
-    out[gid] = static_cast<T>(num / den);
+    KV_UNROLL for (int s = 16; s >= 1; s /= 2) top = FMAX(top, SHFL_XOR(top, s));
+    if (lane == 0) warp_max[warp] = top;
+    KV_BARRIER();
+    float gmax = warp_max[0];
+    KV_UNROLL for (int w = 1; w < NW; ++w) gmax = FMAX(gmax, warp_max[w]);
+    float den = 0.0f;
+    for (int c = tid; c < n; c += CT) {
+        const long i = PARTIAL_INDEX(c);
+        const float mc = PARTIAL_STATS(c)[i * 2];
+        den += mc == NEG_INF ? 0.0f : EXP2(mc - gmax) * PARTIAL_STATS(c)[i * 2 + 1];
+    }
+    KV_UNROLL for (int s = 16; s >= 1; s /= 2) den += SHFL_XOR(den, s);
+    if (lane == 0) warp_sum[warp] = den;
+    const int d = 4 * (tid % QUADS);
+    const int slot = tid / QUADS;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (slot < SLOTS) {
+        #pragma unroll 4
+        for (int c = slot; c < n; c += SLOTS) {  // independent loads: several in flight per thread
+            const long i = PARTIAL_INDEX(c);
+            const float mc = PARTIAL_STATS(c)[i * 2];
+            const KV_DEVICE float* part = PARTIAL_OUT(c) + i * D + d;
+            const float w = EXP2(mc - gmax);
+            KV_UNROLL for (int j = 0; j < 4; ++j) acc[j] += mc == NEG_INF ? 0.0f : w * part[j];
+        }
+        KV_UNROLL for (int j = 0; j < 4; ++j) slot_out[slot * D + d + j] = acc[j];
+    }
+#undef PARTIAL_INDEX
+#undef PARTIAL_STATS
+#undef PARTIAL_OUT
+    KV_BARRIER();
+    if (tid < D) {
+        float total_den = 0.0f;
+        KV_UNROLL for (int w = 0; w < NW; ++w) total_den += warp_sum[w];
+        float num = 0.0f;
+        KV_UNROLL for (int s = 0; s < SLOTS; ++s) num += slot_out[s * D + tid];
+        out[row * D + tid] = static_cast<T>(num / total_den);
+    }
 """
 
 CUDA_HEADER = """
@@ -459,7 +496,7 @@ CUDA_HEADER = """
 """
 CUDA_ATTN_SOURCE = "const int tid = threadIdx.x; const int blk = blockIdx.x; const long bh = blockIdx.y;\n" + _ATTN_BODY
 _CUDA_ATTN_BODY = CUDA_ATTN_SOURCE.split("\n", 1)[1]  # without its first line (tid, blk, bh): for the one launch
-CUDA_COMBINE_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;\n" + _COMBINE_BODY
+CUDA_COMBINE_SOURCE = "const int tid = threadIdx.x; const long row = blockIdx.x;\n" + _COMBINE_BODY
 
 # Metal: simdgroups of 32 threads stand in for warps. UNTESTED here (no Apple GPU on these
 # machines); the body is the CUDA one, only these macros differ, and the dispatch self-tests it
@@ -480,7 +517,8 @@ METAL_ATTN_SOURCE = (
     "const int tid = (int)thread_position_in_threadgroup.x; const int blk = (int)threadgroup_position_in_grid.x;"
     " const long bh = (long)threadgroup_position_in_grid.y;\n" + _ATTN_BODY
 )
-METAL_COMBINE_SOURCE = "const long gid = (long)thread_position_in_grid.x;\n" + _COMBINE_BODY
+METAL_COMBINE_SOURCE = ("const int tid = (int)thread_position_in_threadgroup.x;"
+                        " const long row = (long)threadgroup_position_in_grid.x;\n" + _COMBINE_BODY)
 
 _ATTN_INPUTS = ["q", "kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "dims", "params"]
 _kernels: dict[tuple[str, str], object] = {}
@@ -619,13 +657,11 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
                 output_shapes=[(rows, nb, M, D), (rows, nb, M, 2)],
                 output_dtypes=[mx.float32, mx.float32],
             )
-    total = rows * M * D
-    threads = 256
     (out,) = _kernel("combine", backend)(
         inputs=[o_part, stats, o_mma, st_mma, dims],
-        template=[("T", dtype), ("D", D), ("M", M)],
-        grid=(-(-total // threads) * threads, 1, 1),
-        threadgroup=(threads, 1, 1),
+        template=[("T", dtype), ("D", D), ("M", M), ("CT", COMBINE_THREADS)],
+        grid=(rows * M * COMBINE_THREADS, 1, 1),
+        threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(rows, M, D)],
         output_dtypes=[dtype],
     )
@@ -643,7 +679,7 @@ def fused_supported(queries, keys: PackedSide, values: PackedSide, mask, key_bit
         dtypes.add(values.packed[1].dtype)
     return (
         key_bits in FUSED_BITS and value_bits in FUSED_BITS
-        and D % 32 == 0 and D <= 256
+        and D in FUSED_HEAD_DIMS
         and n_q // n_kv * L <= MAX_ROWS
         and (mask is None or (isinstance(mask, str) and mask == "causal"))
         and len(dtypes) == 1 and queries.dtype in (mx.float16, mx.bfloat16, mx.float32)

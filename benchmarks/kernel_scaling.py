@@ -6,7 +6,10 @@ limit as time that grows with it.
    4 bits, against `x * 1` (a read and a write of the same bytes) at the same size.
 2. fused decode attention (8 KV heads, 32 query heads, D 128, fp16, one decode row per query head)
    at 8k / 32k / 128k tokens, against `mx.fast.scaled_dot_product_attention` on the full cache, per
-   layer; enough layers that their bytes are ~0.5 GiB or more (more than the GPU's L2 cache).
+   layer; enough layers that their bytes are ~0.5 GiB or more (more than the GPU's L2 cache). Each
+   layer's queries wait for the layer before's output (`chained`), as in a model: layers timed side
+   by side overlap on the GPU, and a launch that leaves SMs idle then looks cheap (stop 21: 16 steps a
+   warp timed 68 us a layer side by side, 150 chained).
    `--old FILE` times a second copy of kivi_attention.py (an older kernel source) beside it.
 
 Usage (a GPU with MLX CUDA): python benchmarks/kernel_scaling.py [quant] [attn] [--old FILE]
@@ -48,6 +51,18 @@ def quant_table() -> None:
                 print(f"| {n} | {size >> 20} | kivi {layout} | {bits} | {ms:.3f} | {moved / ms / 1e6:.0f} | {ms / copy_ms:.2f} |")
 
 
+def chained(call, queries: list) -> list:
+    """call(i, q) for each layer i, its queries made to wait for layer i - 1's output (q + 0 * out: one
+    small elementwise op a layer, the same for every path), as one layer waits for the last in a model."""
+    outs, prev = [], None
+    for i, q in enumerate(queries):
+        if prev is not None:
+            q = q + 0 * prev
+        prev = call(i, q)
+        outs.append(prev)
+    return outs
+
+
 def load_old(path: str):
     spec = importlib.util.spec_from_file_location("kvcompress.kernels.kivi_attention_old", path)
     module = importlib.util.module_from_spec(spec)
@@ -72,8 +87,8 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
         kv = [(mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i)).astype(mx.float16),
                mx.random.normal((1, 8, T, 128), key=mx.random.key(2 * i + 1)).astype(mx.float16)) for i in range(full_layers)]
         mx.eval(qs, kv)
-        full_us = 1e3 * median_eval_ms(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-                                                for q, (k, v) in zip(qs, kv)]) / full_layers
+        full_us = 1e3 * median_eval_ms(lambda: chained(lambda i, q: mx.fast.scaled_dot_product_attention(
+            q, *kv[i], scale=scale), qs[:full_layers])) / full_layers
         print(f"| {T} | full | SDPA | {full_layers} | {full_us:.1f} | {full_bytes / 2**20:.0f} | "
               f"{full_bytes / full_us / 1e3:.0f} | 1.00 | - |")
         for bits in (2, 4):
@@ -100,9 +115,8 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
                        dict(tensor_cores=True, l2_prefetch=pf)) for pf in prefetch]
             for path, module, tpb, n_threads, extra in paths:
                 default_threads, module.THREADS = module.THREADS, n_threads
-                us = 1e3 * median_eval_ms(lambda: [module.decode_attention_fused(q, *view, scale, False, bits, bits, 32, "cuda",
-                                                                                 tiles_per_block=tpb, **extra)
-                                                   for q, view in zip(qs, views)]) / layers
+                us = 1e3 * median_eval_ms(lambda: chained(lambda i, q: module.decode_attention_fused(
+                    q, *views[i], scale, False, bits, bits, 32, "cuda", tiles_per_block=tpb, **extra), qs)) / layers
                 got = module.decode_attention_fused(qs[0], *views[0], scale, False, bits, bits, 32, "cuda",
                                                     tiles_per_block=tpb, **extra)
                 module.THREADS = default_threads

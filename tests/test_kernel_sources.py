@@ -165,27 +165,47 @@ def test_kivi_decode_attention_tensor_cores_run_as_the_reference(emulated_cuda, 
     assert relative_l2(got, want) < 1e-3
 
 
-def test_tensor_cores_are_the_default_for_2_bit_codes(emulated_cuda, monkeypatch):
+def test_tensor_cores_are_the_default_for_long_2_bit_caches(emulated_cuda, monkeypatch):
     launches = []
     real = kivi_attention_mma.partials
     monkeypatch.setattr(kivi_attention_mma, "partials", lambda *a, **k: launches.append(a[1]) or real(*a, **k))
-    for bits, expected in ((2, 1), (4, 0)):
+    # the tensor-core kernel could take the 768 tokens below the residuals: it does from the threshold on
+    for bits, threshold, expected in ((2, 768, 1), (2, 769, 0), (4, 768, 0)):
+        monkeypatch.setattr(kivi_attention, "TENSOR_CORE_MIN_TOKENS", threshold)
         launches.clear()
         q, keys, values = kivi_attention.random_case(bits, bits, 32, 64, 4, 1, mx.float16, seed=bits, T=900, n_k=832,
                                                      n_v=780)
         got = kivi_attention.decode_attention_fused(q, keys, values, 64**-0.5, False, bits, bits, 32, "cuda")
         assert len(launches) == expected
-        if expected:  # dims: the tensor-core kernel took the 768 tokens below the residuals, 16 steps a warp
-            assert launches[0][9] == 768 and launches[0][11] == 16
+        if expected:  # dims: the tensor-core kernel took the 768 tokens, the default steps a warp
+            assert launches[0][9] == 768 and launches[0][11] == kivi_attention_mma.STEPS_PER_WARP
         want = kivi_attention.decode_attention_reference(q.astype(mx.float32), kivi_attention._as_f32(keys),
                                                          kivi_attention._as_f32(values), 64**-0.5, None, bits, bits, 32)
         assert relative_l2(got, want) < 1e-3
 
 
+def test_the_self_test_checks_the_tensor_core_kernel_too(emulated_cuda, monkeypatch):
+    # the dispatch self-tests a variant on a short case, below the default's threshold: it must run the
+    # kernel that long caches of 2-bit codes will take, and catch it being wrong
+    launches = []
+    real = kivi_attention_mma.partials
+    monkeypatch.setattr(kivi_attention_mma, "partials", lambda *a, **k: launches.append(a[1]) or real(*a, **k))
+    kivi_attention._selftest("cuda", mx.float16, (2, 2, 32, 64, 4, 1, False))
+    assert len(launches) == 1
+    def wrong(*a, **k):  # the tensor-core kernel's partial outputs (the last but one array) twice too large
+        out = list(real(*a, **k))
+        out[-2] = out[-2] * 2
+        return out
+
+    monkeypatch.setattr(kivi_attention_mma, "partials", wrong)
+    with pytest.raises(AssertionError, match="tensor cores"):
+        kivi_attention._selftest("cuda", mx.float16, (2, 2, 32, 64, 4, 1, False))
+
+
 def test_tensor_cores_alone_where_no_token_is_left(emulated_cuda):
     # whole steps of codes on both sides and no residual: no scalar blocks in the launch, none to combine
     q, keys, values = kivi_attention.random_case(2, 2, 32, 64, 4, 1, mx.float16, seed=7, T=768, n_k=768, n_v=768)
-    got = kivi_attention.decode_attention_fused(q, keys, values, 64**-0.5, False, 2, 2, 32, "cuda")
+    got = kivi_attention.decode_attention_fused(q, keys, values, 64**-0.5, False, 2, 2, 32, "cuda", tensor_cores=True)
     want = kivi_attention.decode_attention_reference(q.astype(mx.float32), kivi_attention._as_f32(keys),
                                                      kivi_attention._as_f32(values), 64**-0.5, None, 2, 2, 32)
     assert relative_l2(got, want) < 1e-3

@@ -557,13 +557,20 @@ def _params(scale: float) -> mx.array:
     return _params_cache[scale]
 
 
-def tensor_cores_by_default(key_bits: int, value_bits: int) -> bool:
+# Tokens of codes from which 2-bit caches take the tensor-core kernel by default. Measured on the H200
+# with each layer waiting for the one before, as in a model (KIVI_GPU_NOTES.md, stop 21; us a layer,
+# 8 KV heads x 4 rows, D 128): 8k / 16k / 32k / 128k tokens, this module's kernel 71.4 / 81.0 / 130.7 /
+# 301.9, tensor cores (4 steps a warp) 85.1 / 90.4 / 116.3 / 226.5. The switch lies between 16k and 32k;
+# where in that range was not measured.
+TENSOR_CORE_MIN_TOKENS = 32768
+
+
+def tensor_cores_by_default(key_bits: int, value_bits: int, n_covered: int) -> bool:
     """Whether decode_attention_fused uses the tensor-core kernel where it covers a call
-    (tensor_cores=None): for 2-bit keys and values. Measured on the H200 (KIVI_GPU_NOTES.md, stop 20;
-    us a layer, 8 / 32 / 128k tokens, one launch, 16 steps a warp): KIVI-2 30.2 / 65.0 / 176.0 against
-    this module's kernel's 37.7 / 105.0 / 240.7; KIVI-4 36.3 / 91.0 / 232.3 against 30.7 / 76.4 / 231.9,
-    so 4-bit codes stay here."""
-    return key_bits == 2 and value_bits == 2
+    (tensor_cores=None): 2-bit keys and values, with at least TENSOR_CORE_MIN_TOKENS tokens for it.
+    4-bit codes stay here (32k: 122.8 us a layer against the tensor cores' 136.7, same measurement)."""
+    return key_bits == 2 and value_bits == 2 and n_covered >= TENSOR_CORE_MIN_TOKENS
+
 
 _stand_ins: dict[tuple[str, str], mx.array] = {}
 
@@ -577,6 +584,21 @@ def _stand_in(dtype) -> mx.array:
     return _stand_ins[key]
 
 
+def tensor_cores_cover(queries, keys: PackedSide, values: PackedSide, key_bits: int, value_bits: int,
+                       group_size: int, backend: str) -> bool:
+    """Whether kivi_attention_mma can take this call's packed tokens (CUDA, its dtypes, bits, shapes and
+    shared memory, code arrays laid out in whole steps)."""
+    if backend != "cuda":
+        return False
+    D = queries.shape[-1]
+    M = queries.shape[1] // keys.residual.shape[1] * queries.shape[2]
+    kwrow, kgrow = (keys.packed[0].shape[-1], keys.packed[1].shape[-1]) if keys.n_packed else (0, 0)
+    vcap = values.packed[0].shape[-2] if values.n_packed else 0
+    step = kivi_attention_mma.step_tokens(key_bits, value_bits)
+    return (kivi_attention_mma.aligned(kwrow, kgrow, vcap, D // group_size, group_size, step)
+            and kivi_attention_mma.supported(queries, key_bits, value_bits, group_size, M))
+
+
 def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
                            key_bits: int, value_bits: int, group_size: int, backend: str = "cuda",
                            tiles_per_block: int | None = None, tensor_cores: bool | None = None,
@@ -587,7 +609,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     tensor_cores (CUDA, where kivi_attention_mma covers the call: fp16, 2/4-bit codes, D 64/128, the
     shared memory fits): the tensor-core kernel takes the packed tokens [0, n_full) and this module's
     kernel the rest (residuals, the causal band, a part step); one combine merges their partials.
-    None: `tensor_cores_by_default` (2-bit codes); True where it does not cover the call: ValueError.
+    None: `tensor_cores_by_default` (2-bit codes, 32k+ tokens); True where it does not cover the call: ValueError.
     one_launch: both kernels' blocks in one launch (default; measured faster at 8k and 32k) or two.
     l2_prefetch (0, 64, 128, 256): the tensor-core kernel's key copies ask the L2 for that many bytes
     around each (a channel row is read 16 bytes a step); 0, the measured default, asks nothing."""
@@ -613,14 +635,14 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
         vc, vs, vz, vcap = dummy(mx.uint32), dummy(dtype), dummy(dtype), 0
     n_full = 0
     step_tokens = kivi_attention_mma.step_tokens(key_bits, value_bits)
-    aligned = kivi_attention_mma.aligned(kwrow, kgrow, vcap, D // group_size, group_size, step_tokens)
-    covered = backend == "cuda" and aligned and kivi_attention_mma.supported(queries, key_bits, value_bits,
-                                                                            group_size, M)
-    if tensor_cores is None:
-        tensor_cores = covered and tensor_cores_by_default(key_bits, value_bits)
-    if tensor_cores and covered:
+    covered = tensor_cores_cover(queries, keys, values, key_bits, value_bits, group_size, backend)
+    if covered:
         n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
-    elif tensor_cores:
+    if tensor_cores is None:
+        tensor_cores = covered and tensor_cores_by_default(key_bits, value_bits, n_full)
+    if not tensor_cores:
+        n_full = 0
+    elif not covered:
         raise ValueError("tensor_cores=True: kivi_attention_mma does not cover this call")
     n_tiles = -(-(T - n_full) // TILE)
     tpb = tiles_per_block or default_tiles_per_block(n_tiles, rows)
@@ -718,12 +740,17 @@ def _selftest(backend: str, dtype, variant: tuple) -> None:
         got = decode_attention_cpu(q, keys, values, D**-0.5, causal, key_bits, value_bits, group_size)
     else:
         got = decode_attention_fused(q, keys, values, D**-0.5, causal, key_bits, value_bits, group_size, backend,
-                                     tiles_per_block=2)
+                                     tiles_per_block=2, tensor_cores=False)
     with mx.stream(mx.cpu):  # float32 on the CPU: a GPU matmul may round through TF32
         want = decode_attention_reference(q.astype(mx.float32), _as_f32(keys), _as_f32(values), D**-0.5, mask,
                                           key_bits, value_bits, group_size)
         mx.eval(want)
     dispatch.assert_close(got, want, _SELFTEST_TOLERANCE[dtype], "kivi_decode_attention self-test")
+    # long caches of 2-bit codes run the tensor-core kernel (tensor_cores_by_default): check it too, on
+    # this short case, wherever it covers the variant
+    if key_bits == value_bits == 2 and tensor_cores_cover(q, keys, values, 2, 2, group_size, backend):
+        got = decode_attention_fused(q, keys, values, D**-0.5, causal, 2, 2, group_size, backend, tensor_cores=True)
+        dispatch.assert_close(got, want, _SELFTEST_TOLERANCE[dtype], "kivi_decode_attention self-test (tensor cores)")
 
 
 def _as_f32(side: PackedSide) -> PackedSide:

@@ -6,14 +6,14 @@ KV heads x 4 rows, D 128) it issued ~25 M warp instructions in 82 us at 0.37 ins
 per scheduler, with 8 warps an SM. Here the products run as `mma.sync` m16n8k16 (fp16 in, fp32
 accumulation) and a code costs ~2.5 integer/half2 instructions on its way into a fragment.
 
-Status: the default for 2-bit keys and values on CUDA (kivi_attention.tensor_cores_by_default), opt-in
-for 4-bit codes (`decode_attention_fused(..., tensor_cores=True)`). On the H200, 32k tokens, KIVI-2:
-65 us a layer against the scalar kernel's 105 and SDPA's 68 on the full cache (benchmarks/
-KIVI_GPU_NOTES.md, stop 20). Nsight Compute (16 steps a warp): the active SMs' L1/shared-memory pipe
-is ~90% busy (each cp.async of a step's key codes and scales touches 32 channel rows, 32 cache lines
-for 16 or 4 bytes each; each 16-byte shared load takes four passes although 8 lanes read the same
-words), DRAM at 6%; yet 4 steps a warp on every SM take as long as 16 on half of them, so the bound
-may be DRAM serving those scattered sectors (`l2_prefetch` is there to test it).
+Status: the default for 2-bit keys and values on CUDA from 32k tokens of codes on
+(kivi_attention.tensor_cores_by_default), opt-in for 4-bit codes (`decode_attention_fused(...,
+tensor_cores=True)`). On the H200, layers waiting on each other as in a model, KIVI-2 at 32k tokens:
+116 us a layer against the scalar kernel's 131 and SDPA's 78 on the full cache; at 16k 90 against 81
+(benchmarks/KIVI_GPU_NOTES.md, stop 21). Nsight Compute, 32k, 4 steps a warp: 45 us of GPU time for
+the launch (with the residual tail's blocks), 3 blocks an SM (136 registers), 1.85 warps a scheduler
+active, a warp issuing every 6.5 cycles (41% of it waiting on shared memory), DRAM at 11%: bound by
+latency. `l2_prefetch` (an L2 hint on the key copies) measured no gain (32k / 128k, side by side).
 
 The problem is the one of kivi_attention.py (rows rep-major, post-RoPE queries); this kernel takes
 the tokens [0, n_full) with n_full a multiple of 64 that every row sees (below the key and value
@@ -65,10 +65,11 @@ STEP = 64  # the tokens this kernel takes are a multiple of this (both step size
 WARPS = 4
 THREADS = 32 * WARPS
 SHARED_LIMIT = 48 * 1024  # static shared memory a CUDA block may declare
-# Steps a warp takes by default: 16 was the fastest measured on the H200 at 8k, 32k and 128k tokens x
-# 8 KV heads (KIVI-2, one launch: 30.2 / 65.0 / 176.0 us a layer; ~1024 warps in all, i.e. 1 / 4 / 16
-# steps: 43.3 / 85.6 / 171.8). Fewer, longer warps leave fewer partials for the combine's loop.
-STEPS_PER_WARP = 16
+# Steps a warp takes by default, measured on the H200 with each layer waiting for the one before (as in
+# a model; KIVI_GPU_NOTES.md, stop 21): KIVI-2, 32k tokens x 8 KV heads, 2 / 4 / 8 / 16 steps a warp
+# 112.2 / 116.3 / 138.6 / 149.9 us a layer; 8k 95.6 / 85.1 / 93.6 / 126.5. (Stop 20 picked 16 from layers
+# timed side by side, which overlap on the GPU: a launch that leaves SMs idle looked cheap there.)
+STEPS_PER_WARP = 4
 
 
 def step_tokens(key_bits: int, value_bits: int) -> int:

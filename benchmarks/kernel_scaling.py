@@ -30,7 +30,7 @@ import mlx.core as mx  # noqa: E402
 
 from kvcompress.kernels.kivi_quant import quantize_pack_kernel  # noqa: E402
 from kvcompress.methods.kivi import KiviCache  # noqa: E402
-from timing import median_eval_ms  # noqa: E402
+from timing import chained, median_eval_ms  # noqa: E402
 
 
 def quant_table() -> None:
@@ -49,18 +49,6 @@ def quant_table() -> None:
             for layout, per_channel in (("per token", False), ("per channel", True)):
                 ms = median_eval_ms(lambda: [quantize_pack_kernel(x, bits, 32, per_channel, "cuda") for x in xs]) / count
                 print(f"| {n} | {size >> 20} | kivi {layout} | {bits} | {ms:.3f} | {moved / ms / 1e6:.0f} | {ms / copy_ms:.2f} |")
-
-
-def chained(call, queries: list) -> list:
-    """call(i, q) for each layer i, its queries made to wait for layer i - 1's output (q + 0 * out: one
-    small elementwise op a layer, the same for every path), as one layer waits for the last in a model."""
-    outs, prev = [], None
-    for i, q in enumerate(queries):
-        if prev is not None:
-            q = q + 0 * prev
-        prev = call(i, q)
-        outs.append(prev)
-    return outs
 
 
 def load_old(path: str):

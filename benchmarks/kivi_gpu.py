@@ -11,7 +11,8 @@ Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/kivi_gpu.p
    reference against dequantize-then-attend in float32 on the CPU (relative L2 error);
 3b. decode attention at 32k context, 8 KV heads, 32 query heads, D = 128, fp16, 32 layers per timed
    step: KIVI-2 / KIVI-4 / K4V2 on codes -- the fused kernel (several tiles-per-block settings) and the
-   quantized_matmul reference -- vs the full cache (mx.fast.scaled_dot_product_attention);
+   quantized_matmul reference -- vs the full cache (mx.fast.scaled_dot_product_attention); each layer's
+   queries wait for the layer before's output (timing.chained), as in a model;
 4. one decode step of the caches alone (update_and_fetch, then attention) at 32k, 32 layers.
 """
 
@@ -34,7 +35,7 @@ from kvcompress.kernels.kivi_attention import (  # noqa: E402
 )
 from kvcompress.kernels.kivi_quant import quantize_pack_kernel, quantize_pack_reference  # noqa: E402
 from kvcompress.methods.kivi import KiviCache  # noqa: E402
-from timing import median_eval_ms, median_ms  # noqa: E402
+from timing import chained, median_eval_ms, median_ms  # noqa: E402
 
 
 def make_input(kind: str, shape, dtype, key):
@@ -150,8 +151,8 @@ def decode_table(T=32768, layers=32):
         full.append((k, v))
     mx.eval(full, qs)
     full_bytes = sum(k.nbytes + v.nbytes for k, v in full)
-    def sdpa():
-        return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale) for q, (k, v) in zip(qs, full)]
+    def sdpa():  # each layer waits for the one before, as in a model (timing.chained)
+        return chained(lambda i, q: mx.fast.scaled_dot_product_attention(q, *full[i], scale=scale), qs)
 
     full_ms, full_eval = median_ms(sdpa, repeat=30), median_eval_ms(sdpa)
     print("ms/step: graph built and evaluated; eval ms: evaluation of a graph built beforehand (GPU + MLX encoding);")
@@ -177,7 +178,7 @@ def decode_table(T=32768, layers=32):
             paths[f"fused tiles/block={tpb}"] = (
                 lambda q, vw, tpb=tpb: decode_attention_fused(q, *vw, scale, False, kb, vb, 32, "cuda", tiles_per_block=tpb))
         for path, fn in paths.items():
-            step = lambda: [fn(q, vw) for q, vw in zip(qs, views)]  # noqa: E731
+            step = lambda: chained(lambda i, q: fn(q, views[i]), qs)  # noqa: E731
             ms, ev = median_ms(step, repeat=30), median_eval_ms(step)
             print(f"{name:8} {path:22} {ms:8.3f} {ev:8.3f} {1e3 * ev / layers:9.1f} {live / 2**20:8.0f} {full_bytes / live:9.2f} "
                   f"{live / ev / 1e6:7.0f} {full_eval / ev:8.2f}")

@@ -560,14 +560,16 @@ def _params(scale: float) -> mx.array:
 # Tokens of codes from which 2-bit caches take the tensor-core kernel by default. Measured on the H200
 # with each layer waiting for the one before, as in a model (KIVI_GPU_NOTES.md, stop 21; us a layer,
 # 8 KV heads x 4 rows, D 128): 8k / 16k / 32k / 128k tokens, this module's kernel 71.4 / 81.0 / 130.7 /
-# 301.9, tensor cores (4 steps a warp) 85.1 / 90.4 / 116.3 / 226.5. The switch lies between 16k and 32k;
-# where in that range was not measured.
-TENSOR_CORE_MIN_TOKENS = 32768
+# 301.9, tensor cores (4 steps a warp) 85.1 / 90.4 / 116.3 / 226.5. The switch lies between 16k and 32k
+# (the tensor-core kernel's share of those caches: 16256 and 32640 tokens, the values' residual below
+# it); the threshold is halfway, where nothing was measured.
+TENSOR_CORE_MIN_TOKENS = 24576
 
 
 def tensor_cores_by_default(key_bits: int, value_bits: int, n_covered: int) -> bool:
     """Whether decode_attention_fused uses the tensor-core kernel where it covers a call
-    (tensor_cores=None): 2-bit keys and values, with at least TENSOR_CORE_MIN_TOKENS tokens for it.
+    (tensor_cores=None): 2-bit keys and values, with at least TENSOR_CORE_MIN_TOKENS tokens for it
+    (n_covered: the packed tokens it would take).
     4-bit codes stay here (32k: 122.8 us a layer against the tensor cores' 136.7, same measurement)."""
     return key_bits == 2 and value_bits == 2 and n_covered >= TENSOR_CORE_MIN_TOKENS
 
@@ -609,7 +611,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     tensor_cores (CUDA, where kivi_attention_mma covers the call: fp16, 2/4-bit codes, D 64/128, the
     shared memory fits): the tensor-core kernel takes the packed tokens [0, n_full) and this module's
     kernel the rest (residuals, the causal band, a part step); one combine merges their partials.
-    None: `tensor_cores_by_default` (2-bit codes, 32k+ tokens); True where it does not cover the call: ValueError.
+    None: `tensor_cores_by_default` (2-bit codes, 24k+ tokens); True where it does not cover the call: ValueError.
     one_launch: both kernels' blocks in one launch (default; measured faster at 8k and 32k) or two.
     l2_prefetch (0, 64, 128, 256): the tensor-core kernel's key copies ask the L2 for that many bytes
     around each (a channel row is read 16 bytes a step); 0, the measured default, asks nothing."""

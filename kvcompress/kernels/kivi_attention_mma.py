@@ -6,7 +6,7 @@ KV heads x 4 rows, D 128) it issued ~25 M warp instructions in 82 us at 0.37 ins
 per scheduler, with 8 warps an SM. Here the products run as `mma.sync` m16n8k16 (fp16 in, fp32
 accumulation) and a code costs ~2.5 integer/half2 instructions on its way into a fragment.
 
-Status: the default for 2-bit keys and values on CUDA from 32k tokens of codes on
+Status: the default for 2-bit keys and values on CUDA from 24k tokens of codes on
 (kivi_attention.tensor_cores_by_default), opt-in for 4-bit codes (`decode_attention_fused(...,
 tensor_cores=True)`). On the H200, layers waiting on each other as in a model, KIVI-2 at 32k tokens:
 116 us a layer against the scalar kernel's 131 and SDPA's 78 on the full cache; at 16k 90 against 81

@@ -184,6 +184,16 @@ def test_tensor_cores_are_the_default_for_long_2_bit_caches(emulated_cuda, monke
         assert relative_l2(got, want) < 1e-3
 
 
+def test_the_tensor_core_threshold_lies_between_the_measured_lengths():
+    # measured on the H200 (kivi_attention.TENSOR_CORE_MIN_TOKENS): at a 16k context the scalar kernel was
+    # faster, at 32k the tensor cores; the paper's policy keeps R = 128 values below the codes
+    def bulk(context):
+        cache_keys, cache_values = context - context % 128, context - 128
+        return kivi_attention_mma.tokens_covered(cache_keys, cache_values, context, 1, False)
+
+    assert bulk(16384) < kivi_attention.TENSOR_CORE_MIN_TOKENS <= bulk(32768)
+
+
 def test_the_self_test_checks_the_tensor_core_kernel_too(emulated_cuda, monkeypatch):
     # the dispatch self-tests a variant on a short case, below the default's threshold: it must run the
     # kernel that long caches of 2-bit codes will take, and catch it being wrong

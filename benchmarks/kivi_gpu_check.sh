@@ -2,7 +2,7 @@
 # One device call on the lent H200: the GPU tests, then the KIVI kernel benchmarks, then the
 # end-to-end decode benchmark; every log also goes to $OUT (default ./gpu-logs).
 # Usage (device, after the mlx CUDA install of ../shared/gpu/README.md):
-#   bash benchmarks/kivi_gpu_check.sh [tests] [attn] [decode] [bandwidth] [step] [scored] [prompt] [passes] [host] [buffers] [e2e | e2e-batch | e2e-kivi]
+#   bash benchmarks/kivi_gpu_check.sh [tests] [attn] [decode] [bandwidth] [step] [scored] [prompt] [passes] [host] [buffers] [scaling] [e2e | e2e-batch | e2e-kivi]
 # (default: tests attn decode bandwidth e2e)
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -43,6 +43,9 @@ for part in $parts; do
       python3 benchmarks/host_time.py 2>&1 | tee "$out/host_time.log" ;;
     buffers)  # do the caches' key buffers stay in place, sync and pipelined?
       python3 benchmarks/buffers_in_place.py 2>&1 | tee "$out/buffers.log" ;;
+    scaling)  # KIVI decode attention per layer, layers chained as in a model: the defaults' choices
+      python3 benchmarks/kernel_scaling.py attn --steps 2 4 --contexts 8192 16384 32768 131072 \
+        2>&1 | tee "$out/kernel_scaling.log" ;;
     e2e)
       python3 benchmarks/kivi_e2e.py --contexts 32768 8192 --steps 8 --rounds 3 --warmup 2 \
         --caches full "kivi bits=2" "kivi bits=4" "streaming budget=0.5" "snapkv budget=0.5" "tova budget=0.5" \

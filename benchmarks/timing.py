@@ -40,8 +40,8 @@ def median_eval_ms(fn, repeat: int = 30, warmup: int = 5) -> float:
 
 
 def chained(call, queries: list) -> list:
-    """call(i, q) for each layer i, its queries made to wait for layer i - 1's output (q + 0 * out: one
-    small elementwise op a layer, the same for every path), as a layer waits for the last in a model.
+    """call(i, q) for each layer i, its queries made to wait for layer i - 1's output (q + 0 * out: two
+    small elementwise ops a layer, the same for every path), as a layer waits for the last in a model.
     Layers built side by side are independent, and MLX's GPU back-ends run them concurrently: a kernel
     that leaves SMs idle then looks cheaper than it is (H200, KIVI-2 at 32k, 16 steps a warp: 68 us a
     layer side by side, 150 chained)."""

@@ -202,6 +202,7 @@ def test_the_self_test_checks_the_tensor_core_kernel_too(emulated_cuda, monkeypa
     monkeypatch.setattr(kivi_attention_mma, "partials", lambda *a, **k: launches.append(a[1]) or real(*a, **k))
     kivi_attention._selftest("cuda", mx.float16, (2, 2, 32, 64, 4, 1, False))
     assert len(launches) == 1
+
     def wrong(*a, **k):  # the tensor-core kernel's partial outputs (the last but one array) twice too large
         out = list(real(*a, **k))
         out[-2] = out[-2] * 2

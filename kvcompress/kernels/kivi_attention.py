@@ -422,6 +422,7 @@ _COMBINE_BODY = """
     constexpr int QUADS = D / 4;  // threads across the channels, 4 channels each
     constexpr int SLOTS = CT / QUADS;  // partials read at once
     constexpr int NW = CT / 32;
+    static_assert(CT % QUADS == 0 && D <= CT, "the combine's threads: whole slots, a thread per channel");
     KV_SHARED float warp_max[NW];
     KV_SHARED float warp_sum[NW];
     KV_SHARED float slot_out[SLOTS * D];
@@ -456,17 +457,15 @@ _COMBINE_BODY = """
     const int d = 4 * (tid % QUADS);
     const int slot = tid / QUADS;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (slot < SLOTS) {
-        #pragma unroll 4
-        for (int c = slot; c < n; c += SLOTS) {  // independent loads: several in flight per thread
-            const long i = PARTIAL_INDEX(c);
-            const float mc = PARTIAL_STATS(c)[i * 2];
-            const KV_DEVICE float* part = PARTIAL_OUT(c) + i * D + d;
-            const float w = EXP2(mc - gmax);
-            KV_UNROLL for (int j = 0; j < 4; ++j) acc[j] += mc == NEG_INF ? 0.0f : w * part[j];
-        }
-        KV_UNROLL for (int j = 0; j < 4; ++j) slot_out[slot * D + d + j] = acc[j];
+    #pragma unroll 4
+    for (int c = slot; c < n; c += SLOTS) {  // independent loads: several in flight per thread
+        const long i = PARTIAL_INDEX(c);
+        const float mc = PARTIAL_STATS(c)[i * 2];
+        const KV_DEVICE float* part = PARTIAL_OUT(c) + i * D + d;
+        const float w = EXP2(mc - gmax);
+        KV_UNROLL for (int j = 0; j < 4; ++j) acc[j] += mc == NEG_INF ? 0.0f : w * part[j];
     }
+    KV_UNROLL for (int j = 0; j < 4; ++j) slot_out[slot * D + d + j] = acc[j];
 #undef PARTIAL_INDEX
 #undef PARTIAL_STATS
 #undef PARTIAL_OUT
@@ -590,14 +589,18 @@ def tensor_cores_cover(queries, keys: PackedSide, values: PackedSide, key_bits: 
                        group_size: int, backend: str) -> bool:
     """Whether kivi_attention_mma can take this call's packed tokens (CUDA, its dtypes, bits, shapes and
     shared memory, code arrays laid out in whole steps)."""
-    if backend != "cuda":
-        return False
-    D = queries.shape[-1]
     M = queries.shape[1] // keys.residual.shape[1] * queries.shape[2]
     kwrow, kgrow = (keys.packed[0].shape[-1], keys.packed[1].shape[-1]) if keys.n_packed else (0, 0)
     vcap = values.packed[0].shape[-2] if values.n_packed else 0
+    return _tensor_cores_cover(queries, kwrow, kgrow, vcap, key_bits, value_bits, group_size, M, backend)
+
+
+def _tensor_cores_cover(queries, kwrow: int, kgrow: int, vcap: int, key_bits: int, value_bits: int,
+                        group_size: int, M: int, backend: str) -> bool:
+    # the same, from the code arrays' row lengths decode_attention_fused has already read
     step = kivi_attention_mma.step_tokens(key_bits, value_bits)
-    return (kivi_attention_mma.aligned(kwrow, kgrow, vcap, D // group_size, group_size, step)
+    D = queries.shape[-1]
+    return (backend == "cuda" and kivi_attention_mma.aligned(kwrow, kgrow, vcap, D // group_size, group_size, step)
             and kivi_attention_mma.supported(queries, key_bits, value_bits, group_size, M))
 
 
@@ -637,7 +640,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
         vc, vs, vz, vcap = dummy(mx.uint32), dummy(dtype), dummy(dtype), 0
     n_full = 0
     step_tokens = kivi_attention_mma.step_tokens(key_bits, value_bits)
-    covered = tensor_cores_cover(queries, keys, values, key_bits, value_bits, group_size, backend)
+    covered = _tensor_cores_cover(queries, kwrow, kgrow, vcap, key_bits, value_bits, group_size, M, backend)
     if covered:
         n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
     if tensor_cores is None:

@@ -241,11 +241,14 @@ def test_tensor_cores_cover_only_what_fits():
         kivi_attention.decode_attention_fused(q, keys, values, 0.125, False, 2, 2, 32, "cuda", l2_prefetch=32)
 
 
-@pytest.mark.parametrize("bits, G, per_channel", [(2, 32, False), (4, 64, False), (8, 128, False), (2, 32, True),
-                                                  (4, 32, True), (8, 64, True), (2, 128, True)])
-def test_kivi_quantize_pack_is_bit_exact(emulated_cuda, bits, G, per_channel):
-    # shapes that leave part of the last warp idle; per channel, 44 channels (11 loads of 4 floats)
-    shape = (3, 2 * G, 44) if per_channel else (3, 7, 3 * G)
+@pytest.mark.parametrize("bits, G, per_channel, groups", [
+    (2, 32, False, 3), (4, 64, False, 3), (8, 128, False, 3), (2, 32, True, 2), (4, 32, True, 2), (8, 64, True, 2),
+    (2, 128, True, 2), (2, 32, True, 5), (4, 64, True, 3)])
+def test_kivi_quantize_pack_is_bit_exact(emulated_cuda, bits, G, per_channel, groups):
+    # shapes that leave part of the last warp idle; per channel, 44 channels (11 loads of 4 floats: an
+    # odd chunk count, and a warp takes chunk pairs) and group counts that do not fill a warp's 128 / G
+    # groups (5 at G 32: one whole block of groups and one with a group in use)
+    shape = (3, groups * G, 44) if per_channel else (3, 7, groups * G)
     x = mx.random.normal(shape, key=mx.random.key(bits)) * 3
     x = mx.where(mx.arange(shape[-1]) % 7 == 0, mx.round(x * 2) / 2, x)  # quotients exactly on half-integers
     x = mx.concatenate([x[:1] * 0 + 1.5, x[1:]])  # constant groups: scale 0, codes 0

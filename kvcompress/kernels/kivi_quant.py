@@ -107,8 +107,15 @@ def _reference(x: mx.array, bits: int, group_size: int, per_channel: bool):
 # ITEMS = 4 pieces 32 apart (its fixed work, the group's scale and reciprocal, spread over 32 codes),
 # so each warp load reads 512 contiguous bytes and each warp store writes contiguous words.
 # Per channel (keys): piece (p, chunk) is tokens [8p, 8p + 8) of a group for CV = 16 / sizeof(T)
-# channels (one 16-byte load per token: a warp load covers 32 / P token rows x 16 P bytes); a lane
-# takes one (64 elements already) and writes each channel's 8 codes into that channel's row of K^T.
+# channels (one 16-byte load per token); a lane takes one (64 elements already) and writes each
+# channel's 8 codes into that channel's row of K^T. A warp takes 2 neighbouring chunks (32 bytes of a
+# token row: whole sectors) of GS = 16 / P neighbouring groups, so a store instruction writes each of
+# its rows of K^T 32 contiguous bytes of codes (2-bit) and its scales GS neighbours: with the
+# warp's lanes spread over 8 chunks of one group instead, it wrote 8 rows 8 bytes each (a quarter
+# of each 32-byte sector) and each scale alone (H200, 256 MiB, G 32: 46-53% of the copy's speed ->
+# 55-62% at 2/4 bits, benchmarks/KIVI_GPU_NOTES.md stop 22). With 2-bit codes two lanes hold the
+# halves of a word; per channel they swap one half for two channels at a time and both write, so
+# every lane of a store is busy (half the store instructions).
 # 3-bit codes straddle words (a lane's 24 bits are no whole piece of one): the reference runs them.
 _BODY = """
     constexpr int P = GROUP / 8;
@@ -134,14 +141,20 @@ _BODY = """
         piece[k] = idx;
         group[k] = idx / P;
         row[k] = 0;
-        if (PER_CHANNEL) {  // idx = ((outer * L / G + group) * C / CV + chunk) * P + p; 32-bit: _plan checks
+        if (PER_CHANNEL) {  // a warp: 2 chunks x GS groups of one outer (lanes: p, then group, then chunk)
+            constexpr int GS = 16 / P;
             const unsigned int chunks = (unsigned int)(C / CV);
             const unsigned int groups = (unsigned int)(L / GROUP);
-            const unsigned int group_chunk = (unsigned int)(idx / P);
-            const long c0 = (long)(group_chunk % chunks) * CV;
-            const unsigned int outer_group = group_chunk / chunks;
-            const long outer = outer_group / groups;
-            group[k] = outer_group % groups;
+            const unsigned int chunk_pairs = (chunks + 1) / 2;
+            const unsigned int group_blocks = (groups + GS - 1) / GS;
+            const unsigned int warp_ = (unsigned int)(idx / 32);
+            const unsigned int lane_ = (unsigned int)(idx % 32);
+            const unsigned int chunk = warp_ % chunk_pairs * 2 + lane_ / (P * GS);
+            const unsigned int block_ = warp_ / chunk_pairs;
+            const long c0 = (long)chunk * CV;
+            const long outer = block_ / group_blocks;
+            group[k] = (long)(block_ % group_blocks * GS + lane_ / P % GS);
+            active[k] = chunk < chunks && group[k] < groups && outer * chunks * groups * P < pieces;
             src = (outer * L + group[k] * GROUP + 8 * p) * C + c0;
             piece[k] = group[k] * P + p;
             row[k] = outer * C + c0;
@@ -157,6 +170,7 @@ _BODY = """
     }
 
     KQ_UNROLL for (int k = 0; k < ITEMS; ++k) {
+        unsigned int held = 0u;  // 2-bit, per channel: this lane's half word of the even channel before
         KQ_UNROLL for (int j = 0; j < CV; ++j) {
             float lo = static_cast<float>(v[k][j]);
             float hi = lo;
@@ -199,7 +213,16 @@ _BODY = """
             }
             const long r = row[k] + j;
             KQ_DEVICE unsigned int* dst = packed + r * (L * BITS / 32);
-            if (BITS == 2) {
+            if (BITS == 2 && PER_CHANNEL) {  // lanes p, p ^ 1 hold the low and high halves of the words of
+                if (j % 2 == 0) {            // channels j - 1 and j: one swap, then the even lane writes
+                    held = w0;               // channel j - 1's word (the row before) and the odd lane j's
+                } else {
+                    const bool odd = p % 2 == 1;
+                    const unsigned int got = SHFL_XOR(odd ? held : w0, 1);
+                    const unsigned int word = odd ? got | (w0 << 16) : held | (got << 16);
+                    if (active[k]) dst[piece[k] / 2 - (odd ? 0 : L * BITS / 32)] = word;
+                }
+            } else if (BITS == 2) {
                 const unsigned int next = SHFL_XOR(w0, 1);
                 if (active[k] && p % 2 == 0) dst[piece[k] / 2] = w0 | (next << 16);
             } else if (active[k]) {
@@ -332,8 +355,11 @@ def _plan(shape: tuple, dtype, bits: int, group_size: int, per_channel: bool, ax
     pieces = elements // 8 // (16 // dtype.size if per_channel else 1)
     if pieces >= 2**31:
         raise ValueError(f"quantize_pack: {elements} elements in one call; the kernel indexes pieces of 8 in 32 bits")
-    items = 1 if per_channel else 4
-    lanes = -(-pieces // (32 * items)) * 32
+    if per_channel:  # whole warps of 2 chunks x 16 / P groups (see _BODY)
+        chunks, groups, per_warp = channels * dtype.size // 16, axis_len // group_size, 128 // group_size
+        lanes = elements // (axis_len * channels) * -(-chunks // 2) * -(-groups // per_warp) * 32
+    else:  # 4 pieces a lane
+        lanes = -(-pieces // (32 * 4)) * 32
     dims = mx.array((pieces, channels, axis_len), dtype=mx.int64)
     launch = dict(
         template=[("T", dtype), ("BITS", bits), ("GROUP", group_size), ("PER_CHANNEL", per_channel)],

@@ -36,6 +36,7 @@ on the CPU the same cases (float32, whole key groups) run a C++ kernel (kivi_att
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import NamedTuple
@@ -589,19 +590,45 @@ def tensor_cores_cover(queries, keys: PackedSide, values: PackedSide, key_bits: 
                        group_size: int, backend: str) -> bool:
     """Whether kivi_attention_mma can take this call's packed tokens (CUDA, its dtypes, bits, shapes and
     shared memory, code arrays laid out in whole steps)."""
-    M = queries.shape[1] // keys.residual.shape[1] * queries.shape[2]
+    B, n_q, L, D = queries.shape
+    M = n_q // keys.residual.shape[1] * L
     kwrow, kgrow = (keys.packed[0].shape[-1], keys.packed[1].shape[-1]) if keys.n_packed else (0, 0)
     vcap = values.packed[0].shape[-2] if values.n_packed else 0
-    return _tensor_cores_cover(queries, kwrow, kgrow, vcap, key_bits, value_bits, group_size, M, backend)
+    launch = _launch(queries.dtype, key_bits, value_bits, group_size, D, M, L, False, backend, 0, THREADS)
+    return _tensor_cores_cover(launch, kwrow, kgrow, vcap, D, group_size)
 
 
-def _tensor_cores_cover(queries, kwrow: int, kgrow: int, vcap: int, key_bits: int, value_bits: int,
-                        group_size: int, M: int, backend: str) -> bool:
+def _tensor_cores_cover(launch: "_Launch", kwrow: int, kgrow: int, vcap: int, D: int, group_size: int) -> bool:
     # the same, from the code arrays' row lengths decode_attention_fused has already read
-    step = kivi_attention_mma.step_tokens(key_bits, value_bits)
-    D = queries.shape[-1]
-    return (backend == "cuda" and kivi_attention_mma.aligned(kwrow, kgrow, vcap, D // group_size, group_size, step)
-            and kivi_attention_mma.supported(queries, key_bits, value_bits, group_size, M))
+    return launch.tensor_cores_fit and kivi_attention_mma.aligned(kwrow, kgrow, vcap, D // group_size, group_size,
+                                                                  launch.step_tokens)
+
+
+class _Launch(NamedTuple):
+    """What every decode call of one signature launches alike (made once per signature by `_launch`:
+    a decode step calls the kernels per layer, and each Python line costs host time there)."""
+
+    template: list  # the scalar kernel's
+    mma_template: list  # the tensor-core kernel's
+    header: str
+    step_tokens: int  # the tensor-core kernel's tokens a step
+    tensor_cores_fit: bool  # CUDA, and kivi_attention_mma.supported: its dtype, bits, shapes and shared memory
+    combine: dict  # the combine kernel's keyword arguments but its inputs
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch(dtype, key_bits: int, value_bits: int, group_size: int, D: int, M: int, L: int, causal: bool,
+            backend: str, l2_prefetch: int, threads: int) -> _Launch:
+    # threads: THREADS, an argument so that a benchmark that sets another (kernel_scaling.py) gets its own
+    template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
+                ("L", L), ("CAUSAL", causal), ("NT", threads)]
+    step_tokens = kivi_attention_mma.step_tokens(key_bits, value_bits)
+    fit = (backend == "cuda" and dtype == mx.float16
+           and kivi_attention_mma.covers(D, key_bits, value_bits, group_size, M))
+    combine = dict(template=[("T", dtype), ("D", D), ("M", M), ("CT", COMBINE_THREADS)],
+                   threadgroup=(COMBINE_THREADS, 1, 1), output_dtypes=[dtype])
+    return _Launch(template, template + [("ST", step_tokens), ("PF", l2_prefetch)],
+                   CUDA_HEADER if backend == "cuda" else METAL_HEADER, step_tokens, fit, combine)
 
 
 def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale: float, causal: bool,
@@ -626,6 +653,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     dtype = queries.dtype
     rows = B * n_kv
     T = keys.n_packed + keys.residual.shape[2]
+    launch = _launch(dtype, key_bits, value_bits, group_size, D, M, L, causal, backend, l2_prefetch, THREADS)
     dummy = _stand_in
 
     if keys.n_packed:
@@ -639,8 +667,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     else:
         vc, vs, vz, vcap = dummy(mx.uint32), dummy(dtype), dummy(dtype), 0
     n_full = 0
-    step_tokens = kivi_attention_mma.step_tokens(key_bits, value_bits)
-    covered = _tensor_cores_cover(queries, kwrow, kgrow, vcap, key_bits, value_bits, group_size, M, backend)
+    covered = _tensor_cores_cover(launch, kwrow, kgrow, vcap, D, group_size)
     if covered:
         n_full = kivi_attention_mma.tokens_covered(keys.n_packed, values.n_packed, T, L, causal)
     if tensor_cores is None:
@@ -652,7 +679,7 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     n_tiles = -(-(T - n_full) // TILE)
     tpb = tiles_per_block or default_tiles_per_block(n_tiles, rows)
     nb = -(-n_tiles // tpb)
-    steps = n_full // step_tokens
+    steps = n_full // launch.step_tokens
     spw = steps_per_warp or kivi_attention_mma.STEPS_PER_WARP
     nbm = -(-steps // (spw * kivi_attention_mma.WARPS)) if steps else 0
     kr = keys.residual if keys.residual.shape[2] else dummy(dtype)
@@ -660,25 +687,21 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     q = queries.reshape(B, n_kv, M, D)  # rows rep-major: row m is query position m % L
     dims_values = [T, keys.n_packed, values.n_packed, tpb, kwrow, kgrow, vcap, nb, rows, n_full, nbm, spw]
     dims = mx.array(dims_values, dtype=mx.int32)
-    params = _params(scale)
-    header = CUDA_HEADER if backend == "cuda" else METAL_HEADER
-    inputs = [q, kc, ks, kz, kr, vc, vs, vz, vr, dims, params]
-    template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
-                ("L", L), ("CAUSAL", causal), ("NT", THREADS)]
-    mma_template = template + [("ST", step_tokens), ("PF", l2_prefetch)]
+    inputs = [q, kc, ks, kz, kr, vc, vs, vz, vr, dims, _params(scale)]
     if nbm and one_launch:  # the scalar kernel's blocks and the tensor-core kernel's
         assert THREADS == kivi_attention_mma.THREADS
-        o_part, stats, o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, mma_template, D, M, rows,
-                                                                   header, _CUDA_ATTN_BODY)
+        o_part, stats, o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, launch.mma_template, D, M, rows,
+                                                                   launch.header, _CUDA_ATTN_BODY)
     else:
         o_mma, st_mma = dummy(mx.float32), dummy(mx.float32)
         if nbm:
-            o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, mma_template, D, M, rows, header, None)
+            o_mma, st_mma = kivi_attention_mma.partials(inputs, dims_values, launch.mma_template, D, M, rows,
+                                                        launch.header, None)
         o_part, stats = dummy(mx.float32), dummy(mx.float32)
         if nb:  # none where the tensor-core kernel took every token
             o_part, stats = _kernel("attn", backend)(
                 inputs=inputs,
-                template=template,
+                template=launch.template,
                 grid=(nb * THREADS, rows, 1),
                 threadgroup=(THREADS, 1, 1),
                 output_shapes=[(rows, nb, M, D), (rows, nb, M, 2)],
@@ -686,11 +709,9 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
             )
     (out,) = _kernel("combine", backend)(
         inputs=[o_part, stats, o_mma, st_mma, dims],
-        template=[("T", dtype), ("D", D), ("M", M), ("CT", COMBINE_THREADS)],
         grid=(rows * M * COMBINE_THREADS, 1, 1),
-        threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(rows, M, D)],
-        output_dtypes=[dtype],
+        **launch.combine,
     )
     return out.reshape(B, n_q, L, D)
 

@@ -224,7 +224,7 @@ def test_tensor_cores_alone_where_no_token_is_left(emulated_cuda):
 
 def test_tensor_cores_cover_only_what_fits():
     def covers(D, M, bits, dtype=mx.float16):
-        return kivi_attention_mma.supported(mx.zeros((1, 1, 1, D), dtype=dtype), bits, bits, 32, M)
+        return kivi_attention_mma.supported(dtype, D, bits, bits, 32, M)
 
     assert covers(128, 4, 2) and covers(128, 5, 4) and covers(64, 7, 2)
     assert not covers(128, 5, 2) and not covers(128, 8, 4) and not covers(256, 1, 2)  # 48 KiB of shared memory

@@ -623,8 +623,7 @@ def _launch(dtype, key_bits: int, value_bits: int, group_size: int, D: int, M: i
     template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
                 ("L", L), ("CAUSAL", causal), ("NT", threads)]
     step_tokens = kivi_attention_mma.step_tokens(key_bits, value_bits)
-    fit = (backend == "cuda" and dtype == mx.float16
-           and kivi_attention_mma.covers(D, key_bits, value_bits, group_size, M))
+    fit = backend == "cuda" and kivi_attention_mma.supported(dtype, D, key_bits, value_bits, group_size, M)
     combine = dict(template=[("T", dtype), ("D", D), ("M", M), ("CT", COMBINE_THREADS)],
                    threadgroup=(COMBINE_THREADS, 1, 1), output_dtypes=[dtype])
     return _Launch(template, template + [("ST", step_tokens), ("PF", l2_prefetch)],

@@ -503,16 +503,12 @@ def _kernel(header: str, scalar_body: str | None):
     return _kernels[key]
 
 
-def supported(queries, key_bits: int, value_bits: int, group_size: int, rows: int) -> bool:
-    """Whether this kernel covers a decode call (fp16 codes of 2/4 bits; see the module docstring)."""
-    return queries.dtype == mx.float16 and covers(queries.shape[-1], key_bits, value_bits, group_size, rows)
-
-
-@functools.lru_cache(maxsize=None)  # asked per layer and decode step
-def covers(D: int, key_bits: int, value_bits: int, group_size: int, rows: int) -> bool:
-    """`supported` for fp16 queries of head dim D: bits, shapes and shared memory."""
-    return (key_bits in BITS and value_bits in BITS and D in (64, 128) and group_size % 32 == 0
-            and D % group_size == 0 and rows <= 8
+@functools.lru_cache(maxsize=None)
+def supported(dtype, D: int, key_bits: int, value_bits: int, group_size: int, rows: int) -> bool:
+    """Whether this kernel covers decode calls of this signature (fp16 queries of head dim D, 2/4-bit
+    codes, the shapes and shared memory; see the module docstring)."""
+    return (dtype == mx.float16 and key_bits in BITS and value_bits in BITS and D in (64, 128)
+            and group_size % 32 == 0 and D % group_size == 0 and rows <= 8
             and shared_bytes(D, rows, key_bits, value_bits, group_size) <= SHARED_LIMIT)
 
 

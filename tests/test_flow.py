@@ -228,7 +228,9 @@ def test_two_shard_workers_split_a_sweep_with_results_identical_to_inline(deploy
 
 
 def test_sigkilled_shard_worker_then_rerun_leaves_every_run_exactly_once(deployed, tmp_path):
-    """Kill a real shard worker (and the flow run it started) mid-sweep; the rerun completes it."""
+    """Kill a real shard worker (and the flow run it started) mid-sweep, then the sweep that waits for
+    it; a rerun with another worker completes it. (Left alone, the sweep would fail at its shard
+    timeout: test_shards_no_worker_takes_time_out_and_the_sweep_asks_for_a_rerun.)"""
     env = {**deployed, "PREFECT_WORKER_QUERY_SECONDS": "1"}
     grid = tmp_path / "grid.yaml"
     grid.write_text(json.dumps({
@@ -238,7 +240,7 @@ def test_sigkilled_shard_worker_then_rerun_leaves_every_run_exactly_once(deploye
     }))
     results = tmp_path / "results"
     sweep_cmd = [sys.executable, "-m", "kvcompress_flows.cli", "sweep", str(grid), "--results", str(results),
-                 "--distribute", "--shard-timeout", "150"]  # from submission: covers a slow first shard
+                 "--distribute"]
 
     def shard_worker(name: str) -> subprocess.Popen:
         return start_worker("kvcompress-shards", name, env, tmp_path / f"{name}.log", limit=1)
@@ -251,7 +253,8 @@ def test_sigkilled_shard_worker_then_rerun_leaves_every_run_exactly_once(deploye
         time.sleep(0.2)
     os.killpg(first.pid, signal.SIGKILL)  # the worker and the shard flow run it is executing
     first.wait()
-    assert parent.wait(timeout=600) != 0  # its shards never finished: the sweep fails, loses nothing
+    parent.kill()  # its shards would never finish: the rerun's parent submits them again
+    parent.wait()
     partial = len(list(results.glob("runs/**/*.parquet")))
     assert 1 <= partial < 6
 
@@ -265,6 +268,28 @@ def test_sigkilled_shard_worker_then_rerun_leaves_every_run_exactly_once(deploye
     assert len(runs) == 6 and len({r["run_id"] for r in runs}) == 6  # every run exactly once
     steps = read_table(results, "steps")
     assert sorted((s["run_id"], s["step"]) for s in steps) == sorted((r["run_id"], i) for r in runs for i in range(2))
+
+
+def test_shards_no_worker_takes_time_out_and_the_sweep_asks_for_a_rerun(deployed, tmp_path):
+    """A distributed sweep waits for its shards until the shard timeout (from submission), then fails
+    naming the rerun; the shard runs stay scheduled, for workers that come later."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from kvcompress_flows.sweep import sweep
+
+    grid = {"name": "unattended", "decode_steps": 2, "datasets": [{"name": "passkey", "context_tokens": [256],
+            "num_samples": 2}], "methods": [{"name": "full"}]}
+    # the shard pool has no worker now (the tests above stopped theirs)
+    with pytest.raises(RuntimeError, match=r"sweep unattended: only 0 of 2 runs finished; rerun to resume"):
+        sweep(grid=grid, results=str(tmp_path / "results"), distribute=True, shard_timeout_s=3)
+    with get_client(sync_client=True) as client:
+        shard_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="unattended-")))
+        assert sorted(r.name for r in shard_runs) == ["unattended-passkey-0", "unattended-passkey-1"]
+        assert all(r.state.is_scheduled() for r in shard_runs)
+        for r in shard_runs:  # no later test's worker should take them
+            client.delete_flow_run(r.id)
+    assert not list((tmp_path / "results").glob("runs/**/*.parquet"))
 
 
 def test_shard_task_fails_at_once_on_a_config_error(prefect_server, tmp_path):

@@ -38,8 +38,11 @@ default-run: setup
 report: setup
 	$(VENV)/bin/kvcompress report
 
+# two processes, a test file to each at a time (so module fixtures, the Prefect deployment among them,
+# are made once): many tests wait on subprocesses (Prefect servers, workers, sweeps) while the other
+# process computes. `pytest -n 0` runs it in one.
 test: $(VENV)/.installed-test
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile
 
 benchmarks: setup
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

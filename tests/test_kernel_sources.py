@@ -149,6 +149,7 @@ def relative_l2(got, want) -> float:
     (2, 4, 64, 128, 4, 2, True, 1, 896, 781),  # an odd number of value rows
     (4, 2, 32, 64, 3, 1, False, 2, 832, 780),  # rows that fill part of the fragments
     (4, 4, 64, 64, 2, 1, False, 2, 832, 780),  # an odd number of key groups a row (13)
+    (2, 2, 32, 128, 4, 1, False, 2, 832, 780),  # the default's shape: four value groups a token
 ])
 def test_kivi_decode_attention_tensor_cores_run_as_the_reference(emulated_cuda, key_bits, value_bits, G, D, M, L,
                                                                   causal, steps_per_warp, n_k, n_v):

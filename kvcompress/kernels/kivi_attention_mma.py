@@ -10,10 +10,12 @@ Status: the default for 2-bit keys and values on CUDA from 24k tokens of codes o
 (kivi_attention.tensor_cores_by_default), opt-in for 4-bit codes (`decode_attention_fused(...,
 tensor_cores=True)`). On the H200, layers waiting on each other as in a model, KIVI-2 at 32k tokens:
 116 us a layer against the scalar kernel's 131 and SDPA's 78 on the full cache; at 16k 90 against 81
-(benchmarks/KIVI_GPU_NOTES.md, stop 21). Nsight Compute, 32k, 4 steps a warp: 45 us of GPU time for
-the launch (with the residual tail's blocks), 3 blocks an SM (136 registers), 1.85 warps a scheduler
-active, a warp issuing every 6.5 cycles (41% of it waiting on shared memory), DRAM at 11%: bound by
-latency. `l2_prefetch` (an L2 hint on the key copies) measured no gain (32k / 128k, side by side).
+(benchmarks/KIVI_GPU_NOTES.md, stop 21). Nsight Compute, 32k, 4 steps a warp (stop 23): 45 us of GPU
+time for the launch (with the residual tail's blocks: 264 blocks, 2 an SM, 175 registers), 1.73 warps a
+scheduler active, one instruction issued every 3.4 cycles a scheduler, DRAM at 12%. Twice the warps
+(`__launch_bounds__` for 4 blocks an SM, with 1 or 2 steps a warp for the blocks to fill them) issued
+no faster (0.22-0.31 instructions a cycle a scheduler) and took as long or longer: the bound is not
+latency hiding by more warps. `l2_prefetch` (an L2 hint on the key copies) measured no gain.
 
 The problem is the one of kivi_attention.py (rows rep-major, post-RoPE queries); this kernel takes
 the tokens [0, n_full) with n_full a multiple of 64 that every row sees (below the key and value
@@ -41,9 +43,12 @@ from global memory, the 8 lanes of a fragment row the same ones, and each chunk 
   8 x 8 transpose across the warp).
 - outputs O^T [16 channels x 8 rows] = V^T [16 x tokens] . P^T: the value codes are A, from one
   word per token (16 / VB channels a half), the same token order as the scores' (rho). Values
-  are quantized per token, so the scale is folded into P (P s, per value group) and the zero's
-  term sum_t p_t z_t is one more product per chunk (A = z broadcast over its 16 channels):
-  out = sum_t p_t s_t c_t + sum_t p_t z_t, exact products of fp16 numbers in fp32 sums.
+  are quantized per token, so the scale is folded into P (P s, per value group) and the zeros'
+  terms sum_t p_t z_{t,g} of all groups are one more product per sub-block (A's row g = group g's
+  zeros, C's row g its term), kept apart and added to the group's channels when the warps meet:
+  out = sum_t p_t s_t c_t + sum_t p_t z_t, exact products of fp16 numbers in fp32 sums. (Before, the
+  zero's term was one product per chunk with z broadcast over its 16 channels: 8 of a sub-block's 16
+  value products at D 128, G 32.)
 At the end the block's warps meet once in shared memory and leave one partial per block.
 
 Supported (`supported`, `aligned`): fp16, key and value bits 2 or 4, D 64 or 128, group size a
@@ -89,7 +94,7 @@ def shared_bytes(D: int, M: int, key_bits: int, value_bits: int, group_size: int
     ST = step_tokens(key_bits, value_bits)
     n_groups = D // group_size
     stage = D * ST * key_bits // 32 + 2 * D + ST * (D * value_bits // 32 + 4) + ST * n_groups
-    meet = WARPS * 8 * D + 2 * WARPS * 8
+    meet = WARPS * 8 * D + 2 * WARPS * 8 + WARPS * 8 * n_groups
     return scalar + 4 * max(WARPS * stage, meet)
 
 HEADER = """
@@ -221,7 +226,7 @@ BODY = """
     constexpr int S_VS = S_VW + ST * VROW;
     constexpr int S_VZ = S_VS + ST * NGV / 2;
     constexpr int STAGE = S_VZ + ST * NGV / 2;
-    constexpr int MEET = NW * 8 * D + 2 * NW * 8;  // the warps' partials at the end
+    constexpr int MEET = NW * 8 * D + 2 * NW * 8 + NW * 8 * NGV;  // the warps' partials at the end
     constexpr int SMEM = NW * STAGE > MEET ? NW * STAGE : MEET;
     const int n_steps = dims[9] / ST;
     const int kwrow = dims[4];
@@ -288,6 +293,8 @@ BODY = """
     float run_sum[2] = {0.0f, 0.0f};              // this lane's share of the sums
     float oc[CH][4];   // O^T [16 channels x 8 rows] per chunk: channels rho(r), rho(r + 8); rows 2k, 2k + 1
     _Pragma("unroll") for (int c = 0; c < CH; ++c) { _Pragma("unroll") for (int e = 0; e < 4; ++e) oc[c][e] = 0.0f; }
+    // the value zeros' terms [16 x 8 rows]: row g (lanes r = g < NGV, in zc[0], zc[1]) is group g's sum_t p_t z_{t,g}
+    float zc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
     const int step0 = (blk * NW + warp) * spw;
     const int step_end = min(step0 + spw, n_steps);
@@ -360,6 +367,7 @@ BODY = """
         _Pragma("unroll") for (int c = 0; c < CH; ++c) {
             _Pragma("unroll") for (int e = 0; e < 4; ++e) oc[c][e] *= corr[e % 2];
         }
+        _Pragma("unroll") for (int e = 0; e < 4; ++e) zc[e] *= corr[e % 2];
         copies_wait<1>();  // this step's values are in (the next step's keys may still be on their way)
         __syncwarp();
         _Pragma("unroll") for (int sb = 0; sb < SB; ++sb) {
@@ -379,21 +387,25 @@ BODY = """
             tok[1] = 16 * sb + rho<KB>(2 * k + 1);
             tok[2] = 16 * sb + rho<KB>(2 * k + 8);
             tok[3] = 16 * sb + rho<KB>(2 * k + 9);
-            // the tokens' scales and zeros (NGV a token), then per group: the zero's term and P s
+            // the zeros' terms of every group in one product: A's row g holds group g's zeros of the
+            // lane's tokens (the lane's row r: group r, where r < NGV; the other rows are zero)
+            {
+                const unsigned short* vz_stage = reinterpret_cast<const unsigned short*>(stage + S_VZ);
+                unsigned int az[4] = {0u, 0u, 0u, 0u};
+                if (r < NGV) {
+                    az[0] = (unsigned int)vz_stage[tok[0] * NGV + r] | ((unsigned int)vz_stage[tok[1] * NGV + r] << 16);
+                    az[2] = (unsigned int)vz_stage[tok[2] * NGV + r] | ((unsigned int)vz_stage[tok[3] * NGV + r] << 16);
+                }
+                mma_f16(zc, az, bp);
+            }
+            // the tokens' scales (NGV a token), folded into P per group
             constexpr int NGW = (NGV + 1) / 2;
-            unsigned int vsw[4][NGW], vzw[4][NGW];
+            unsigned int vsw[4][NGW];
             _Pragma("unroll") for (int i = 0; i < 4; ++i) {
                 load_halves<NGV>(reinterpret_cast<const unsigned short*>(stage + S_VS) + tok[i] * NGV, vsw[i]);
-                load_halves<NGV>(reinterpret_cast<const unsigned short*>(stage + S_VZ) + tok[i] * NGV, vzw[i]);
             }
             unsigned int bs[NGV][2];
             _Pragma("unroll") for (int g = 0; g < NGV; ++g) {
-                // zero's term, into every chunk of the group: A = the tokens' zeros, alike in each channel row
-                unsigned int az[4];
-                az[0] = az[1] = half_of<NGV>(vzw[0], g) | (half_of<NGV>(vzw[1], g) << 16);
-                az[2] = az[3] = half_of<NGV>(vzw[2], g) | (half_of<NGV>(vzw[3], g) << 16);
-                _Pragma("unroll") for (int cc = 0; cc < G / 16; ++cc) mma_f16(oc[g * (G / 16) + cc], az, bp);
-                // the group's scales folded into P
                 bs[g][0] = h2_mul(bp[0], half_of<NGV>(vsw[0], g) | (half_of<NGV>(vsw[1], g) << 16));
                 bs[g][1] = h2_mul(bp[1], half_of<NGV>(vsw[2], g) | (half_of<NGV>(vsw[3], g) << 16));
             }
@@ -430,6 +442,7 @@ BODY = """
     float* const w_out = reinterpret_cast<float*>(smem);   // [NW][8][D]
     float* const w_max = w_out + NW * 8 * D;               // [NW][8]
     float* const w_sum = w_max + NW * 8;                   // [NW][8]
+    float* const w_zero = w_sum + NW * 8;                  // [NW][8][NGV]: the value zeros' terms
     _Pragma("unroll") for (int j = 0; j < 2; ++j) {
         float x = run_sum[j];
         x += SHFL_XOR(x, 4);
@@ -442,6 +455,9 @@ BODY = """
             w_max[warp * 8 + 2 * k + j] = run_max[j];
             w_sum[warp * 8 + 2 * k + j] = run_sum[j];
         }
+    }
+    if (r < NGV) {
+        _Pragma("unroll") for (int j = 0; j < 2; ++j) w_zero[(warp * 8 + 2 * k + j) * NGV + r] = zc[j];
     }
     _Pragma("unroll") for (int c = 0; c < CH; ++c) {
         _Pragma("unroll") for (int e = 0; e < 4; ++e) {
@@ -463,7 +479,7 @@ BODY = """
             _Pragma("unroll") for (int w2 = 0; w2 < NW; ++w2) {
                 if (w_max[w2 * 8 + m] == NEG_INF) continue;
                 const float f = EXP2(w_max[w2 * 8 + m] - gmax);
-                num += f * w_out[(w2 * 8 + m) * D + d];
+                num += f * (w_out[(w2 * 8 + m) * D + d] + w_zero[(w2 * 8 + m) * NGV + d / G]);
                 den += f * w_sum[w2 * 8 + m];
             }
         }

@@ -294,6 +294,7 @@ BODY = """
     float oc[CH][4];   // O^T [16 channels x 8 rows] per chunk: channels rho(r), rho(r + 8); rows 2k, 2k + 1
     _Pragma("unroll") for (int c = 0; c < CH; ++c) { _Pragma("unroll") for (int e = 0; e < 4; ++e) oc[c][e] = 0.0f; }
     // the value zeros' terms [16 x 8 rows]: row g (lanes r = g < NGV, in zc[0], zc[1]) is group g's sum_t p_t z_{t,g}
+    static_assert(NGV <= 8, "one zeros' product a sub-block holds 8 value groups (A's rows r < 8)");
     float zc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
     const int step0 = (blk * NW + warp) * spw;

@@ -42,7 +42,7 @@ report: setup
 # are made once): many tests wait on subprocesses (Prefect servers, workers, sweeps) while the other
 # process computes. `pytest -n 0` runs it in one.
 test: $(VENV)/.installed-test
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 benchmarks: setup
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -46,3 +46,18 @@ def prefect_server():
     server = LocalServer(port=PREFECT_PORT, log=_prefect_home / "server.log", ui=True)
     yield server.start()
     server.stop()
+
+
+# Seconds each slow file took in a run of `make test` on the 2-core machine (two workers, each file
+# on one worker: `--dist loadfile`). The files run longest first and the Makefile turns off xdist's
+# own order (by the number of tests a file has), so a worker that frees takes the longest file left:
+# the two workers end close together. Only the order depends on these figures, never a result.
+FILE_SECONDS = {
+    "test_flow.py": 640, "test_runner.py": 460, "test_kernel_sources.py": 300, "test_cli.py": 160,
+    "test_reports.py": 140, "test_readme.py": 125, "test_sweep.py": 55, "test_install.py": 52,
+    "test_kivi.py": 51, "test_model.py": 36, "test_regression.py": 27, "test_kivi_attention_cpu.py": 25,
+}
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's own order stays

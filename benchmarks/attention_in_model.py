@@ -79,16 +79,16 @@ def main():
             method, params = CACHES[label]
             caches = kvcompress.make_cache(model, method, **params)
             logits, _ = prefill(model, caches, prompts(model, 1, T))
-            runs[label] = [caches, greedy(logits), [], []]
+            runs[label] = dict(caches=caches, token=greedy(logits), with_attention=[], without=[])
         for _ in range(args.rounds):
             for run in runs.values():
-                ms, run[1] = steps_ms(model, run[0], run[1], args.steps)
-                run[2].append(ms)
-                with AttentionLeftOut(run[0]):
-                    ms, run[1] = steps_ms(model, run[0], run[1], args.steps)
-                run[3].append(ms)
-        for label, (_, _, with_attention, without) in runs.items():
-            step, bare = statistics.median(with_attention), statistics.median(without)
+                ms, run["token"] = steps_ms(model, run["caches"], run["token"], args.steps)
+                run["with_attention"].append(ms)
+                with AttentionLeftOut(run["caches"]):
+                    ms, run["token"] = steps_ms(model, run["caches"], run["token"], args.steps)
+                run["without"].append(ms)
+        for label, run in runs.items():
+            step, bare = statistics.median(run["with_attention"]), statistics.median(run["without"])
             print(f"| {T} | {label} | {step:.2f} | {bare:.2f} | {step - bare:.2f} | "
                   f"{1e3 * (step - bare) / args.layers:.0f} |", flush=True)
         del runs

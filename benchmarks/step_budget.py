@@ -31,25 +31,25 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from kivi_e2e import decode_sync, llama8b_shaped  # noqa: E402
 
-N_KV_HEADS, N_HEADS, HEAD_DIM = 8, 32, 128
-
-
-def filled_caches(layers: int, batch: int, tokens: int) -> list[KVCache]:
+def filled_caches(args, batch: int, tokens: int) -> list[KVCache]:
+    """One mlx-lm KVCache a layer holding `tokens` random keys and values (args: the model's ModelArgs)."""
+    shape = (batch, args.num_key_value_heads, tokens, args.head_dim)
     caches = []
-    for _ in range(layers):
+    for _ in range(args.num_hidden_layers):
         cache = KVCache()
-        keys = (0.5 * mx.random.normal((batch, N_KV_HEADS, tokens, HEAD_DIM))).astype(mx.float16)
-        values = mx.random.normal((batch, N_KV_HEADS, tokens, HEAD_DIM)).astype(mx.float16)
+        keys = (0.5 * mx.random.normal(shape)).astype(mx.float16)
+        values = mx.random.normal(shape).astype(mx.float16)
         cache.update_and_fetch(keys, values)
         mx.eval(cache.keys, cache.values)
         caches.append(cache)
     return caches
 
 
-def chained_sdpa_ms(layers: int, batch: int, tokens: int, rounds: int) -> float:
-    """Median ms of `layers` SDPA calls, each layer's queries waiting on the last one's output."""
-    q = mx.random.normal((batch, N_HEADS, 1, HEAD_DIM)).astype(mx.float16)
-    kv = [tuple(mx.random.normal((batch, N_KV_HEADS, tokens, HEAD_DIM)).astype(mx.float16) for _ in range(2))
+def chained_sdpa_ms(args, batch: int, tokens: int, rounds: int) -> float:
+    """Median ms of one SDPA call a layer, each layer's queries waiting on the last one's output."""
+    q = mx.random.normal((batch, args.num_attention_heads, 1, args.head_dim)).astype(mx.float16)
+    kv = [tuple(mx.random.normal((batch, args.num_key_value_heads, tokens, args.head_dim)).astype(mx.float16)
+                for _ in range(2))
           for _ in range(4)]  # 4 distinct caches, reused: the layers' bytes are read from HBM all the same
     mx.eval(q, kv)
     times = []
@@ -57,9 +57,9 @@ def chained_sdpa_ms(layers: int, batch: int, tokens: int, rounds: int) -> float:
         mx.synchronize()
         start = time.perf_counter()
         x = q
-        for layer in range(layers):
+        for layer in range(args.num_hidden_layers):
             keys, values = kv[layer % 4]
-            x = x + 0 * mx.fast.scaled_dot_product_attention(x, keys, values, scale=HEAD_DIM**-0.5)
+            x = x + 0 * mx.fast.scaled_dot_product_attention(x, keys, values, scale=args.head_dim**-0.5)
         mx.eval(x)
         mx.synchronize()
         times.append(1e3 * (time.perf_counter() - start))
@@ -76,21 +76,18 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a small random Llama (a smoke run on a CPU)")
     args = parser.parse_args()
     model = llama8b_shaped(args.layers, tiny=args.tiny)
-    if args.tiny:
-        global N_KV_HEADS, N_HEADS, HEAD_DIM
-        N_KV_HEADS, N_HEADS, HEAD_DIM = 2, 8, 32
     print(f"mlx {mx.__version__} {mx.default_device()}, {args.layers} layers, context {args.context}")
     print("| batch | step at 16 tokens ms | step at context ms | attention's share | chained SDPA ms |")
     print("|---|---|---|---|---|")
     for batch in args.batches:
         token = mx.zeros((batch,), dtype=mx.int32)
-        caches = {tokens: filled_caches(args.layers, batch, tokens) for tokens in (16, args.context)}
+        caches = {tokens: filled_caches(model.args, batch, tokens) for tokens in (16, args.context)}
         ms = {tokens: [] for tokens in caches}
         for _ in range(args.rounds):  # the two contexts take turns: host drift falls on both
             for tokens, layer_caches in caches.items():
                 ms[tokens].append(decode_sync(model, layer_caches, token, args.steps, 2)[0])
         short, long = statistics.median(ms[16]), statistics.median(ms[args.context])
-        sdpa = chained_sdpa_ms(args.layers, batch, args.context, args.steps * args.rounds)
+        sdpa = chained_sdpa_ms(model.args, batch, args.context, args.steps * args.rounds)
         print(f"| {batch} | {short:.2f} | {long:.2f} | {(long - short) / long:.0%} | {sdpa:.2f} |", flush=True)
         del caches
         mx.clear_cache()

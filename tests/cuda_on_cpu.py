@@ -298,8 +298,11 @@ def _prelude_dir() -> Path:
     if not (final / f"{PRELUDE}.gch").exists():
         staging = Path(tempfile.mkdtemp(prefix=f"{final.name}-", dir=final.parent))
         (staging / PRELUDE).write_text(text)
-        subprocess.run([GXX, *BUILD_FLAGS, "-x", "c++-header", str(staging / PRELUDE), "-o",
-                        str(staging / f"{PRELUDE}.gch")], check=True, capture_output=True, text=True)
+        build = subprocess.run([GXX, *BUILD_FLAGS, "-x", "c++-header", str(staging / PRELUDE), "-o",
+                                str(staging / f"{PRELUDE}.gch")], capture_output=True, text=True)
+        if build.returncode:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise RuntimeError(build.stderr[-3000:])
         try:
             os.rename(staging, final)
         except OSError:  # another process has put its (identical) build in place first

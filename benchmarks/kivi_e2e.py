@@ -85,6 +85,10 @@ def prefill(model, caches, prompt, chunk=2048) -> tuple[mx.array, float]:
     for i in range(0, T - 1, chunk):
         model(prompt[:, i : min(i + chunk, T - 1)], cache=caches)
         mx.eval([c.state for c in caches])
+        # as mlx_lm.generate after each chunk: without it, MLX's CUDA allocator can be left releasing
+        # its buffer cache on every cache miss, with synchronizing frees, for as long as the process runs
+        # (KIVI_GPU_NOTES.md, stop 25: KIVI-2 at 128k 21 ms a step, 16 after one clear_cache)
+        mx.clear_cache()
     logits = model(prompt[:, -1:], cache=caches)
     mx.eval(logits)
     mx.synchronize()

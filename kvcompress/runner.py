@@ -162,7 +162,16 @@ def prefill_parts(model, prompt: list[int], record_queries: bool, split: int | N
     if record_queries:
         for cache in caches:
             cache.finish_prompt()
+    release_buffers()
     return caches, logits[0, -1], time.perf_counter() - start, context
+
+
+def release_buffers() -> None:
+    """Drop MLX's cached buffers after a prompt's transients (as mlx_lm.generate after prefill chunks).
+    On CUDA a long prefill can leave the allocator releasing its cache, with synchronizing frees, on
+    every allocation that misses it, so every decode step after it pays them (H200, KIVI-2 at 128k
+    tokens: 21 ms a step, 16 after one clear; benchmarks/KIVI_GPU_NOTES.md, stop 25)."""
+    mx.clear_cache()
 
 
 def derive_cache(model, method: Method, prefilled: list) -> list:
@@ -185,6 +194,7 @@ def compress_kv(model, method: Method, kv: list, queries: list | None) -> list:
         else:  # an mlx-lm cache: the keys and values go in as one update
             cache.update_and_fetch(keys, values)
     mx.eval([c.state for c in caches if not c.empty()])
+    release_buffers()  # the compression's transients (scores, gathers) before the method decodes
     return caches
 
 
@@ -287,6 +297,7 @@ def continue_prefill(model, shared: SharedContext, prompt: list[int]) -> tuple[l
         mx.eval(logits, [c.state for c in caches])
     for cache in recording:
         cache.finish_prompt()
+    release_buffers()
     return caches, logits, shared.prefill_s + time.perf_counter() - start
 
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,31 +27,9 @@ import kvcompress  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from kernel_trace import Tracer, read_records  # noqa: E402
-from kivi_e2e import CACHES, greedy, llama8b_shaped, prompts  # noqa: E402
+from kivi_e2e import CACHES, decode_sync, greedy, llama8b_shaped, prefill, prompts  # noqa: E402
 
 ALLOCATOR_CALLS = ("cudaMallocAsync", "cudaMallocManaged", "cudaFree", "cudaFreeAsync", "cudaMalloc")
-
-
-def prefill_keeping_buffers(model, caches, prompt, chunk=2048):
-    """The prompt in chunks, MLX's buffer cache left as it is: (last logits, seconds)."""
-    prompt = prompt[None] if prompt.ndim == 1 else prompt
-    start = time.perf_counter()
-    for i in range(0, prompt.shape[1] - 1, chunk):
-        model(prompt[:, i : min(i + chunk, prompt.shape[1] - 1)], cache=caches)
-        mx.eval([c.state for c in caches])
-    logits = model(prompt[:, -1:], cache=caches)
-    mx.eval(logits)
-    return logits, time.perf_counter() - start
-
-
-def steps_ms(model, caches, token, n):
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        token = greedy(model(token.reshape(-1, 1), cache=caches))
-        mx.eval(token)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times), token
 
 
 def allocator_calls(tracer, model, caches, token, path):
@@ -84,14 +60,14 @@ def main():
         for label in args.caches:
             method, params = CACHES[label]
             caches = kvcompress.make_cache(model, method, **params)
-            logits, _ = prefill_keeping_buffers(model, caches, prompts(model, 1, T))
+            logits, _ = prefill(model, caches, prompts(model, 1, T), clear_buffers=False)
             token = greedy(logits)
             for when in ("after the prefill", "after mx.clear_cache()"):
                 if when != "after the prefill":
                     mx.clear_cache()
-                first, token = steps_ms(model, caches, token, 10)
+                first, _, token = decode_sync(model, caches, token, 10, 0)
                 token, calls = allocator_calls(tracer, model, caches, token, path)
-                second, token = steps_ms(model, caches, token, 10)
+                second, _, token = decode_sync(model, caches, token, 10, 0)
                 print(f"| {T} | {label} | {when} | {first:.2f} | {second:.2f} | {mx.get_cache_memory() / gib:.1f} | "
                       f"{calls} |", flush=True)
             del caches, logits, token

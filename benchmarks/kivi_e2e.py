@@ -75,8 +75,9 @@ def llama8b_shaped(layers: int, tiny: bool = False):
     return model
 
 
-def prefill(model, caches, prompt, chunk=2048) -> tuple[mx.array, float]:
-    """prompt: token ids [T] or [B, T]; returns (logits of the last position [B, 1, vocab], seconds)."""
+def prefill(model, caches, prompt, chunk=2048, clear_buffers=True) -> tuple[mx.array, float]:
+    """prompt: token ids [T] or [B, T]; returns (logits of the last position [B, 1, vocab], seconds).
+    clear_buffers=False keeps MLX's buffer cache between chunks (allocator_after_prefill.py's control)."""
     prompt = mx.array(prompt)
     prompt = prompt[None] if prompt.ndim == 1 else prompt  # [B, T]
     T = prompt.shape[1]
@@ -88,7 +89,8 @@ def prefill(model, caches, prompt, chunk=2048) -> tuple[mx.array, float]:
         # as mlx_lm.generate after each chunk: without it, MLX's CUDA allocator can be left releasing
         # its buffer cache on every cache miss, with synchronizing frees, for as long as the process runs
         # (KIVI_GPU_NOTES.md, stop 25: KIVI-2 at 128k 21 ms a step, 16 after one clear_cache)
-        mx.clear_cache()
+        if clear_buffers:
+            mx.clear_cache()
     logits = model(prompt[:, -1:], cache=caches)
     mx.eval(logits)
     mx.synchronize()

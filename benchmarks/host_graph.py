@@ -40,6 +40,15 @@ is the figure that carries over to a GPU host.
 
 GPU: `python benchmarks/host_graph.py --save host_graph_gpu.json` (fp16, the fused kernels).
 
+`--layers N` builds N caches (one per layer, each prefilled alike) before each evaluation, as a
+model's step does, and reports microseconds and ops per layer. With one layer every layer's step is
+evaluated before the next is built, which changes what MLX's allocator hands out: on the H200 an
+array the host writes may take a small GPU buffer the last evaluation freed and move it to managed
+memory first (~30 us). Changes to how kernel arguments are allocated halved one-layer host times and
+did nothing end to end (benchmarks/KIVI_GPU_NOTES.md, stop 26): judge those end to end
+(`kivi_e2e.py`); one layer ranks changes to Python. (`--layers 32` builds a step as a model does; whether
+it reproduces the end-to-end verdict on the H200 has not been run yet: stop 26 ran out of device time.)
+
 `--cuda-path` (on a CPU): the code path a CUDA GPU takes, with stand-in kernels, so the GPU path's
 host work can be timed without a GPU (the device's time is scarce). Python's device checks see a GPU
 (`mx.default_device()` reports one; arrays and ops stay on the CPU), the kernel dispatch answers
@@ -169,22 +178,30 @@ def take_cuda_path() -> None:
 
 
 class Run:
-    """One cache decoding random tokens; `step()` returns the host microseconds of one step."""
+    """One cache decoding random tokens; `step()` returns the host microseconds of one step.
 
-    def __init__(self, model, method: str, params: dict, context: int, dtype, seed: int, classes: dict | None = None):
-        self.cache = KVCache() if method == "full" else kvcompress.make_cache(model, method, **params)[0]
-        if classes is not None:
-            self.cache = rebuilt(self.cache, classes)
+    layers: caches built per evaluation (one per layer, each prefilled alike), as a model's step
+    builds every layer before it is evaluated; `step()` then returns microseconds per layer."""
+
+    def __init__(self, model, method: str, params: dict, context: int, dtype, seed: int, classes: dict | None = None,
+                 layers: int = 1):
         self.scale = HEAD_DIM**-0.5
         k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
         k = mx.random.normal((1, N_KV_HEADS, context, HEAD_DIM), key=k1).astype(dtype)
         v = mx.random.normal((1, N_KV_HEADS, context, HEAD_DIM), key=k2).astype(dtype)
-        if method == "full":
-            self.cache.update_and_fetch(k, v)
-        else:
-            q = mx.random.normal((1, N_HEADS, context, HEAD_DIM), key=k3).astype(dtype)
-            self.cache.from_prefill(k, v, q)
-        mx.eval(cache_arrays(self.cache))
+        q = mx.random.normal((1, N_HEADS, context, HEAD_DIM), key=k3).astype(dtype)
+        self.caches = []
+        for _ in range(layers):
+            cache = KVCache() if method == "full" else kvcompress.make_cache(model, method, **params)[0]
+            if classes is not None:
+                cache = rebuilt(cache, classes)
+            if method == "full":
+                cache.update_and_fetch(k, v)
+            else:
+                cache.from_prefill(k, v, q)
+            mx.eval(cache_arrays(cache))
+            self.caches.append(cache)
+        self.cache = self.caches[0]
         # a few distinct decode tokens, made once: the timed region builds only the step's graph
         tokens = []
         for key in mx.random.split(k4, 16):
@@ -196,29 +213,35 @@ class Run:
         self.n = 0
         self.times: list[float] = []
 
-    def build(self):
+    def build(self) -> list[mx.array]:
         q, k, v = self.tokens[self.n % len(self.tokens)]
         self.n += 1
-        keys, values = self.cache.update_and_fetch(k, v)
-        return scaled_dot_product_attention(q, keys, values, cache=self.cache, scale=self.scale, mask=None)
+        outs = []
+        for cache in self.caches:
+            keys, values = cache.update_and_fetch(k, v)
+            outs.append(scaled_dot_product_attention(q, keys, values, cache=cache, scale=self.scale, mask=None))
+        return outs
+
+    def arrays(self) -> list[mx.array]:
+        return [a for cache in self.caches for a in cache_arrays(cache)]
 
     def step(self) -> float:
         start = time.perf_counter()
-        out = self.build()
-        spent = (time.perf_counter() - start) * 1e6
-        mx.eval(out, *cache_arrays(self.cache))
+        outs = self.build()
+        spent = (time.perf_counter() - start) * 1e6 / len(self.caches)
+        mx.eval(outs, *self.arrays())
         return spent
 
-    def ops(self) -> int:
+    def ops(self) -> float:
         # eviction caches start part of a step's graph early (mx.async_eval): counted here too
         async_eval, mx.async_eval = mx.async_eval, lambda *arrays: None
         try:
-            out = self.build()
+            outs = self.build()
         finally:
             mx.async_eval = async_eval
-        count = op_count([out, *cache_arrays(self.cache)])
-        mx.eval(out, *cache_arrays(self.cache))
-        return count
+        count = op_count([*outs, *self.arrays()])
+        mx.eval(outs, *self.arrays())
+        return count / len(self.caches)
 
 
 def building_blocks(dtype, repeat: int) -> dict[str, float]:
@@ -279,6 +302,8 @@ def main():
     parser.add_argument("--compare", help="a JSON file from --save (e.g. before a change): adds its column")
     parser.add_argument("--against", metavar="REV", help="also run every kvcompress cache with its class as git "
                         "revision REV had it, in the same turns (a before/after under one machine load)")
+    parser.add_argument("--layers", type=int, default=1, help="caches (layers) built per evaluation, as a model's "
+                        "step; times and ops are per layer")
     parser.add_argument("--cuda-path", action="store_true", help="on a CPU: the CUDA code path with stand-in "
                         "kernels (the GPU path's host work; see module docstring)")
     args = parser.parse_args()
@@ -287,6 +312,7 @@ def main():
     gpu = mx.default_device() == mx.gpu
     dtype = mx.float16 if gpu else mx.float32
     print(f"mlx {mx.__version__}, {mx.default_device()}, {dtype}, context {args.context}, {args.steps} steps, "
+          f"{args.layers} layer(s) a step, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     model = one_layer_model()
     classes = classes_at(args.against) if args.against else None
@@ -294,9 +320,10 @@ def main():
     for i, label in enumerate(args.caches):
         start = time.perf_counter()
         method, params = CACHES[label]
-        runs[label] = Run(model, method, params, args.context, dtype, seed=i)
+        runs[label] = Run(model, method, params, args.context, dtype, seed=i, layers=args.layers)
         if classes is not None and method != "full":
-            runs[f"{label} @ {args.against}"] = Run(model, method, params, args.context, dtype, seed=i, classes=classes)
+            runs[f"{label} @ {args.against}"] = Run(model, method, params, args.context, dtype, seed=i, classes=classes,
+                                                    layers=args.layers)
         print(f"  {label}: prefilled in {time.perf_counter() - start:.1f} s", flush=True)
     for _ in range(args.warmup):
         for run in runs.values():
@@ -320,7 +347,7 @@ def main():
     print(head)
     print(rule)
     for label, r in results.items():
-        line = f"| {label} | {r['median_us']:.0f} | {r['mean_us']:.0f} | {r['ops']} |"
+        line = f"| {label} | {r['median_us']:.0f} | {r['mean_us']:.0f} | {r['ops']:g} |"
         if before:
             b = before.get(label)
             line += (f" {b['median_us']:.0f} | {b['ops']} | {b['median_us'] / r['median_us']:.2f} |" if b else " - | - | - |")
@@ -340,7 +367,8 @@ def main():
         print(f"| {label} | {us:.1f} |")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.save:
-        meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "context": args.context, "steps": args.steps}
+        meta = {"mlx": mx.__version__, "device": str(mx.default_device()), "context": args.context, "steps": args.steps,
+                "layers": args.layers}
         with open(args.save, "w") as f:
             json.dump({"meta": meta, "results": results, "building_blocks": blocks}, f, indent=1)
 

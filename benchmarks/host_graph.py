@@ -350,7 +350,7 @@ def main():
         line = f"| {label} | {r['median_us']:.0f} | {r['mean_us']:.0f} | {r['ops']:g} |"
         if before:
             b = before.get(label)
-            line += (f" {b['median_us']:.0f} | {b['ops']} | {b['median_us'] / r['median_us']:.2f} |" if b else " - | - | - |")
+            line += (f" {b['median_us']:.0f} | {b['ops']:g} | {b['median_us'] / r['median_us']:.2f} |" if b else " - | - | - |")
         print(line)
     if classes is not None:
         print(f"\n| cache | ops @ {args.against} | ops now | median us @ {args.against} | now | {args.against} / now |")
@@ -358,7 +358,7 @@ def main():
         for label, r in results.items():
             b = results.get(f"{label} @ {args.against}")
             if b:
-                print(f"| {label} | {b['ops']} | {r['ops']} | {b['median_us']:.0f} | {r['median_us']:.0f} "
+                print(f"| {label} | {b['ops']:g} | {r['ops']:g} | {b['median_us']:.0f} | {r['median_us']:.0f} "
                       f"| {b['median_us'] / r['median_us']:.2f} |")
     blocks = building_blocks(dtype, args.steps)
     print("\n| building block | host us/call (median) |")

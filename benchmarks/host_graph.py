@@ -201,7 +201,6 @@ class Run:
                 cache.from_prefill(k, v, q)
             mx.eval(cache_arrays(cache))
             self.caches.append(cache)
-        self.cache = self.caches[0]
         # a few distinct decode tokens, made once: the timed region builds only the step's graph
         tokens = []
         for key in mx.random.split(k4, 16):
@@ -307,6 +306,8 @@ def main():
     parser.add_argument("--cuda-path", action="store_true", help="on a CPU: the CUDA code path with stand-in "
                         "kernels (the GPU path's host work; see module docstring)")
     args = parser.parse_args()
+    if args.layers < 1:
+        parser.error(f"--layers: expected an int >= 1, got {args.layers}")
     if args.cuda_path:
         take_cuda_path()
     gpu = mx.default_device() == mx.gpu

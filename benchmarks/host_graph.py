@@ -46,8 +46,9 @@ evaluated before the next is built, which changes what MLX's allocator hands out
 array the host writes may take a small GPU buffer the last evaluation freed and move it to managed
 memory first (~30 us). Changes to how kernel arguments are allocated halved one-layer host times and
 did nothing end to end (benchmarks/KIVI_GPU_NOTES.md, stop 26): judge those end to end
-(`kivi_e2e.py`); one layer ranks changes to Python. (`--layers 32` builds a step as a model does; whether
-it reproduces the end-to-end verdict on the H200 has not been run yet: stop 26 ran out of device time.)
+(`kivi_e2e.py`); one layer ranks changes to Python. On the H200 `--layers 32` gave KIVI-2 a gap to the
+full cache of 18-46 us a layer over three calls, against 42 us in the same day's end-to-end host graph
+(benchmarks/KIVI_GPU_NOTES.md, stop 27): the host's spread between calls is that wide.
 
 `--cuda-path` (on a CPU): the code path a CUDA GPU takes, with stand-in kernels, so the GPU path's
 host work can be timed without a GPU (the device's time is scarce). Python's device checks see a GPU

@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", nargs="*", default=[], help="older kivi_quant.py files")
     parser.add_argument("--layouts", nargs="+", default=["channel", "token"], choices=["channel", "token"])
-    parser.add_argument("--mib", type=int, nargs="+", default=[256, 32], help="input sizes: [MiB / 8, 4096, 128] fp16")
+    parser.add_argument("--mib", type=int, nargs="+", default=[256, 32], help="input sizes in MiB: [MiB, 4096, 128] fp16")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if not mx.cuda.is_available():
@@ -45,12 +45,12 @@ def main() -> None:
     kernels["this tree"] = kivi_quant
     for mib in args.mib:
         count = max(2, 256 // mib)  # inputs rotate over >= 256 MiB: past the L2
-        xs = [mx.random.normal((mib // 8, 4096, 128), key=mx.random.key(i)).astype(mx.float16) for i in range(count)]
+        xs = [mx.random.normal((mib, 4096, 128), key=mx.random.key(i)).astype(mx.float16) for i in range(count)]
         mx.eval(xs)
         size = xs[0].nbytes
         for layout in args.layouts:
             per_channel = layout == "channel"
-            print(f"\n[{mib // 8}, 4096, 128] fp16 ({mib} MiB), per {layout}: ms a call (median of {args.rounds} rounds), % of the copy")
+            print(f"\n[{mib}, 4096, 128] fp16 ({mib} MiB), per {layout}: ms a call (median of {args.rounds} rounds), % of the copy")
             print("| bits | G | copy ms | " + " | ".join(f"{k} ms" for k in kernels) + " | "
                   + " | ".join(f"{k} %" for k in kernels) + " | identical |")
             print("|---" * (3 + 2 * len(kernels) + 1) + "|")

@@ -68,6 +68,7 @@ def loaded_cache(model, cfg, prefilled, seed=0):
         kept = mx.array(np.sort(np.concatenate([np.arange(cfg.n_sink), chosen, np.arange(T - recent, T)])).astype(np.int32))
         cache.batch, cache.position, cache.offset, cache.prompt_len = 1, T, T, T
         cache.capacity, cache.recent = capacity, recent
+        cache.held_limit, cache.answer_start = cache.capacity, cache.prompt_len
         scores = mx.random.uniform(shape=(H, capacity), key=mx.random.key(seed + layer))
         positions = mx.broadcast_to(kept, (H, capacity)) + 0
         cache.state = (keys[0][:, kept], values[0][:, kept], scores, positions, None, None, cache.meta_state)

@@ -147,6 +147,7 @@ def full_cache_step():
             cache = EvictionCache(cfg, 0, 1, H, D, nn.RoPE(D, base=500000.0), D**-0.5)
             cache.batch, cache.position, cache.offset, cache.prompt_len = 1, n_kept, n_kept, n_kept
             cache.capacity, cache.recent = cfg.resolve(n_kept)
+            cache.held_limit, cache.answer_start = cache.capacity, cache.prompt_len
             keys = mx.random.normal((H, n_kept, D)).astype(mx.float16)
             scores = mx.random.uniform(shape=(H, n_kept))
             held = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (H, n_kept)) + 0

@@ -40,6 +40,7 @@ def steady_cache(cfg, rows, n_kept, rope):
     cache.batch = 1
     cache.position = cache.offset = cache.prompt_len = n_kept
     cache.capacity, cache.recent = cfg.resolve(n_kept)
+    cache.held_limit, cache.answer_start = cache.capacity, cache.prompt_len
     keys, values = mx.random.normal((rows, n_kept, D)), mx.random.normal((rows, n_kept, D))
     positions = mx.broadcast_to(mx.arange(n_kept, dtype=mx.int32), (rows, n_kept)) + 0
     scores = None if cfg.decode == "grow" else mx.random.uniform(shape=(rows, n_kept))

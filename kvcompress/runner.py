@@ -12,7 +12,9 @@ For one sample:
 3. per protocol and method: derive the method's cache (compress after prefill, as Keyformer and
    KIVI do). `query_aware` compresses the whole prompt; `query_agnostic` compresses the context
    part only and then feeds the question part through the compressed cache, as NVIDIA kvpress
-   and the RULER-4k leaderboard do. Decode teacher-forced on the reference tokens recording per
+   and the RULER-4k leaderboard do: the question is appended without eviction by every method, so
+   all hold the same tokens when the answer starts, and methods that evict while decoding begin
+   with the first generated token. Decode teacher-forced on the reference tokens recording per
    step KL, top-1 agreement, NLL and resident bytes for every answer token y_0..y_n; then decode
    free-running from a copy of the same compressed cache for the task answer. Evidence survival
    (kvcompress/evidence.py) is recorded right after compression and after the reference answer.
@@ -108,6 +110,10 @@ def run_config(context: RunContext, sample: dict, method: Method, protocol: str 
     }
     if method.revision:  # see Method.revision
         config["method_revision"] = method.revision
+    if protocol == "query_agnostic" and method.evicts_while_decoding:
+        # 1: the question part is appended without eviction, as for every other method (such methods
+        # evicted through it down to the context's budget), so their old query-agnostic runs recompute
+        config["protocol_revision"] = 1
     return config
 
 
@@ -373,7 +379,7 @@ def run_sample(
         for protocol, method, config in todo[i]:
             base = None
             if protocol == "query_agnostic" and shared is not None:
-                as_run = method.for_run(ref.steps)  # Keyformer's tau schedule depends on the answer length
+                as_run = method.for_run(ref.budget, ref.steps)  # Keyformer's tau schedule depends on them
                 if as_run not in compressed:
                     compressed[as_run] = compress_context(model, as_run, ref)
                 base = compressed[as_run]
@@ -399,7 +405,7 @@ def warm_up(model, method: Method, ref: Reference, protocol: str, base: list | N
     """`method`'s compression of `ref` and its first decode steps, untimed and thrown away: every
     kernel a timed run of it calls has been compiled (and self-tested) afterwards. `ref` and `base`
     are left as they were (compression copies them)."""
-    caches, _ = compress(model, method.for_run(ref.steps), ref, protocol, base)
+    caches, _ = compress(model, method.for_run(ref.budget, ref.steps), ref, protocol, base)
     for token in ref.tokens[:WARM_UP_STEPS]:
         decode_step(model, token, caches)
     mx.synchronize()
@@ -463,8 +469,8 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         baseline = mx.get_active_memory()  # weights, the shared full caches and reference logits
         mx.reset_peak_memory()
         start = time.perf_counter()
-        # Keyformer anneals tau over the tokens this run generates (not part of the run id)
-        caches, first_logits = compress(model, method.for_run(ref.steps), ref, protocol, base)
+        # Keyformer anneals tau over the answer budget (not part of the run id)
+        caches, first_logits = compress(model, method.for_run(ref.budget, ref.steps), ref, protocol, base)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
         row["budget_tokens"] = budget_tokens(caches)
         full_kv = [c.keys_and_values() for c in ref.prefilled]

@@ -28,6 +28,8 @@ def small(name: str, budget, **params) -> Eviction:
     defaults = {
         "snapkv": dict(recent=3, kernel=3), "pyramidkv": dict(recent=3, kernel=3, beta=4),
         "keyformer": dict(anneal_steps=5), "streaming": dict(n_sink=2), "adakv": dict(scorer="tova"),
+        # the decode-time eviction the shared tests exercise (their default compresses the prompt only)
+        "knorm": dict(decoding="evict", n_sink=1), "random": dict(decoding="evict"),
     }
     return method_config(name, budget=budget, **{**defaults.get(name, {}), **params})
 
@@ -236,8 +238,13 @@ class RowLoop:
             return float(p)
         if cfg.name == "knorm":
             return -float(np.linalg.norm(rope_at(self.d.K[self.b, self.h, [p]].astype(np.float64), [p])))
-        h = _mix(_mix(_mix(np.uint32(cfg.seed)) ^ np.uint32(self.d.layer)) ^ np.uint32(self.row))
-        return float(_mix(h ^ np.uint32(p)) >> np.uint32(8)) / (1 << 24)  # random
+        return 0.0  # random: drawn afresh at each eviction (evict_by)
+
+    def draws(self, step):
+        """random: a uniform rank per held token for the eviction at `step`."""
+        cfg = self.cfg
+        h = _mix(_mix(_mix(_mix(np.uint32(cfg.seed)) ^ np.uint32(self.d.layer)) ^ np.uint32(self.row)) ^ np.uint32(step))
+        return [float(_mix(h ^ np.uint32(p)) >> np.uint32(8)) / (1 << 24) for p in self.P]
 
     def snapkv(self, T):
         cfg, w = self.cfg, self.cfg.recent
@@ -253,6 +260,8 @@ class RowLoop:
 
     def evict_by(self, p, T):
         cfg = self.cfg
+        if cfg.name == "random":
+            return self.draws(p)
         if cfg.name != "keyformer" or cfg.score != "proxy":
             return list(self.s)
         steps = None if cfg.noise == "frozen" else mx.array([p])
@@ -345,7 +354,10 @@ def test_adakv_is_one_topk_across_the_heads_with_padded_rows(scorer, safeguard):
     drive.prefill()
     plain.prefill()  # budget = the prompt: nothing evicted, scores of every prompt token
     capacity, recent = cfg.resolve(T)
-    scores = np.array(plain.cache.scores)
+    if plain.cache.scores is not None:  # h2o: accumulated while the prompt came
+        scores = np.array(plain.cache.scores)
+    else:  # knorm, random: ranked once at the prompt's end, from the keys alone (then dropped)
+        scores = np.array(cfg.scoring().score_prompt(plain.cache, plain.cache.keys, None))
     kept = drive.cache.kept_rows()
     for b in range(B):
         ranked = scores[b * H : (b + 1) * H].copy()
@@ -379,6 +391,26 @@ def test_pyramid_layer_budgets_keep_the_total():
     cfg = method_config("pyramidkv", budget=0.5)
     capacities = [cfg.resolve(1000, layer, 30)[0] for layer in range(30)]
     assert sum(capacities) == 500 * 30 and capacities[0] > capacities[-1] >= 32
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5, 0.75, 0.9])
+def test_pyramid_layer_budgets_fit_the_prompt_and_keep_the_mean(tiny_llama, budget):
+    # above ~52% of the prompt the first layers' linear shares exceed the prompt: clamped, and the
+    # surplus given to the deeper layers, so the tokens kept over layers still average the budget
+    T, layers = 767, 30
+    cfg = method_config("pyramidkv", budget=budget)
+    capacities = [cfg.resolve(T, layer, layers)[0] for layer in range(layers)]
+    assert sum(capacities) == round(budget * T) * layers and max(capacities) <= T
+    assert capacities == sorted(capacities, reverse=True)
+    if budget >= 0.75:
+        assert capacities[0] == T  # clamped (its linear share is ~1.5x the prompt at 0.75)
+    # a real cache keeps exactly that (tiny Llama: 3 layers, an 80-token prompt)
+    prompt = mx.random.randint(0, 128, (80,), key=mx.random.key(9)).tolist()
+    prefilled, _, _ = prefill(tiny_llama, prompt, record_queries=True)
+    caches = derive_cache(tiny_llama, small("pyramidkv", budget), prefilled)
+    kept = [len(c.kept_rows()[0]) for c in caches]
+    assert kept == [c.capacity for c in caches] and max(kept) <= 80
+    assert sum(kept) == round(budget * 80) * len(caches)
 
 
 # ---------------------------------------------------------------------------------------------

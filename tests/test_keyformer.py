@@ -98,13 +98,49 @@ def test_noise_is_gumbel_and_differs_by_layer_query_head_step():
 # tests/test_eviction.py; here what is Keyformer's own
 
 
-def test_tau_anneals_over_the_runs_generated_tokens():
+def test_tau_anneals_over_the_answer_budget():
     cfg = Keyformer()
-    assert cfg.anneal_steps is None and cfg.for_run(16).anneal_steps == 16
-    assert Keyformer(anneal_steps=40).for_run(16).anneal_steps == 40  # explicit wins
+    # the answer budget (max_new_tokens), as the reference code; the reference answer's length optional
+    assert cfg.anneal_steps is None and cfg.for_run(16, 5).anneal_steps == 16 == cfg.for_run(16).anneal_steps
+    assert Keyformer(anneal_over="answer").for_run(16, 5).anneal_steps == 5
+    assert Keyformer(anneal_over="answer").for_run(16).anneal_steps == 16  # length unknown: the budget
+    assert Keyformer(anneal_steps=40).for_run(16, 5).anneal_steps == 40  # explicit wins
+    with pytest.raises(ConfigError, match=r"keyformer.anneal_over: expected one of \('budget', 'answer'\)"):
+        Keyformer(anneal_over="steps")
     assert cfg.for_run(16).tau(mx.array([0, 8, 16, 30])).tolist() == pytest.approx([1.0, 1.5, 2.0, 2.0])
     assert cfg.tau(mx.array([128])).item() == pytest.approx(1.5)  # drop-in default: mlx-lm's 256 tokens
     assert cfg.label() == "keyformer budget=0.6 tau=1.0..2.0"  # the run's length is not a knob
+
+
+@pytest.mark.parametrize("protocol", ["query_aware", "query_agnostic"])
+def test_tau_counts_generated_tokens_only_under_both_protocols(tiny_llama, monkeypatch, protocol):
+    # under query_agnostic the context is compressed, then the question (10 tokens) appended: its
+    # queries use tau_init, and the schedule starts at the first answer token, as under query_aware
+    # (it started at the end of the context, so the question used it up: tau_end for every answer step)
+    from kvcompress.runner import derive_cache, prefill
+
+    used = []
+    real = Keyformer._tau_at
+    monkeypatch.setattr(Keyformer, "_tau_at", lambda self, cache, q: used.append((cache.layer, real(self, cache, q)))
+                        or used[-1][1])
+    model, T, question = tiny_llama, 50, 10
+    prompt = mx.random.randint(0, 128, (1, T), key=mx.random.key(3))
+    cfg = Keyformer(budget=16, recent=2).for_run(8)  # an 8-token answer budget
+    compressed = T - question if protocol == "query_agnostic" else T
+    prefilled, _, _ = prefill(model, prompt[0, :compressed].tolist(), record_queries=True)
+    caches = derive_cache(model, cfg, prefilled)
+    if protocol == "query_agnostic":
+        used.clear()
+        model(prompt[:, compressed:], cache=caches)
+        taus = [np.array(tau) for layer, tau in used if layer == 0]
+        assert np.concatenate(taus).ravel().tolist() == [1.0] * question
+    assert caches[0].answer_start == T
+    used.clear()
+    token = prompt[:, -1:]
+    for _ in range(10):
+        token = mx.argmax(model(token, cache=caches)[:, -1:], axis=-1)
+    answer_taus = [tau for layer, tau in used if layer == 0]
+    assert answer_taus == pytest.approx([1.0 + t / 8 for t in range(9)] + [2.0])
 
 
 def test_tau_end_changes_decode_scores():
@@ -164,7 +200,7 @@ def test_decode_tau_on_the_host_is_the_array_tau_bit_for_bit():
     x = mx.random.normal((3, 4, 1, 50), key=mx.random.key(1)) * 7
     for cfg in (Keyformer(), Keyformer(tau_init=0.7, tau_end=3.3, anneal_steps=37), Keyformer(tau_init=2, tau_end=1).for_run(100),
                 Keyformer(tau_init=1e-3, tau_end=17.25, anneal_steps=3)):
-        cache = SimpleNamespace(prompt_len=1000, position=None)
+        cache = SimpleNamespace(answer_start=1000, position=None)
         for p in (990, 999, 1000, 1001, 1002, 1017, 1036, 1037, 1099, 1100, 1101, 1300, 100000):
             host = cfg._step_tau(cache, p)
             want = cfg.tau(mx.array([p - 1000], mx.int32))

@@ -8,7 +8,7 @@ import pytest
 
 from kvcompress import datasets, load_dataset
 from kvcompress.methods import method_config
-from kvcompress.runner import RunContext, run_sample
+from kvcompress.runner import RunContext, decode_step, run_sample
 
 
 def context_for(dataset: str, params: dict, steps: int, timeout: float | None = None) -> RunContext:
@@ -134,9 +134,41 @@ def test_query_agnostic_compresses_the_context_before_the_question(embedded):
     prompt = datasets.sample_prompt(sample, tokenizer)
     assert aware.steps[0]["kl"] == 0.0  # query-aware: the prefill's own logits predict y_0
     assert agnostic.steps[0]["kl"] > 0.0  # the question attended to the compressed context
-    # the budget is relative to the context part: 64 tokens kept after the question went through
-    assert agnostic.run["tokens_kept"] == aware.run["tokens_kept"] == 64
-    assert prompt.question_start < len(prompt.tokens)
+    # the budget is relative to the context part; the question is appended without eviction, and
+    # decoding then keeps that count
+    question = len(prompt.tokens) - prompt.question_start
+    assert question > 1 and aware.run["tokens_kept"] == 64
+    assert agnostic.run["tokens_kept"] == 64 + question
+    assert all(s["tokens_kept"] == 64 + question for s in agnostic.steps)
+
+
+EVICTION = ["streaming", "h2o", "keyformer", "tova", "snapkv", "pyramidkv", "adakv", "knorm", "random"]
+
+
+@pytest.mark.filterwarnings("ignore:decode_steps=4 cut the reference answer")
+def test_query_agnostic_every_method_holds_the_same_tokens_when_the_answer_starts(embedded):
+    # one protocol for all (kvpress's): the context compressed to the budget, the question appended
+    # without eviction; decode-time eviction (streaming, h2o, keyformer, tova) starts with the answer
+    from kvcompress.runner import compress, reference
+
+    model, tokenizer = embedded
+    params = {"task": "niah_single_2", "context_tokens": 512, "num_samples": 1, "seed": 0}
+    sample = load_dataset("ruler", tokenizer=tokenizer, **params)[0]
+    methods = [method_config(name, budget=0.5) for name in EVICTION]
+    ref = reference(model, tokenizer, sample, methods, 4, ("query_agnostic",))
+    context, question = ref.question_start, len(ref.prompt) - ref.question_start
+    expected = round(0.5 * context) + question
+    for method in methods:
+        caches, _ = compress(model, method.for_run(ref.budget, ref.steps), ref, "query_agnostic")
+        for cache in caches:  # real tokens (AdaKV pads rows): the mean over a layer's heads is the budget
+            held = [len(row) for row in cache.kept_rows()]
+            assert cache.answer_start == len(ref.prompt), method.name
+            assert sum(held) == (cache.capacity + question) * len(held), method.name
+        assert sum(sum(len(r) for r in c.kept_rows()) for c in caches) == expected * 3 * len(caches), method.name
+        for token in ref.tokens[:3]:  # the answer: evicting methods keep the count, the others append
+            decode_step(model, token, caches)
+        grown = 0 if method.evicts_while_decoding else 3
+        assert sum(sum(len(r) for r in c.kept_rows()) for c in caches) == (expected + grown) * 3 * len(caches)
 
 
 def test_evidence_survival_per_layer_and_stage(embedded):
@@ -214,8 +246,15 @@ def test_a_method_revision_changes_only_that_methods_run_ids():
     sample = {"id": "s0", "task": "lm", "context": "a b c", "question": "", "answers": []}
     keyformer = run_config(context, sample, method_config("keyformer", budget=0.5))
     h2o = run_config(context, sample, method_config("h2o", budget=0.5))
-    assert keyformer["method_revision"] == 1 and "method_revision" not in h2o
+    assert keyformer["method_revision"] == 2 and "method_revision" not in h2o
     assert run_id(keyformer) != run_id({k: v for k, v in keyformer.items() if k != "method_revision"})
+    # the question appended under query_agnostic changed that protocol's runs of methods that evict
+    # while decoding only: theirs carry a protocol revision, the others' ids stay
+    h2o_agnostic = run_config(context, sample, method_config("h2o", budget=0.5), "query_agnostic")
+    snapkv = {p: run_config(context, sample, method_config("snapkv", budget=0.5), p)
+              for p in ("query_aware", "query_agnostic")}
+    assert h2o_agnostic["protocol_revision"] == 1 and "protocol_revision" not in h2o
+    assert not any("protocol_revision" in c for c in snapkv.values())
 
 
 def test_a_gpu_process_warms_each_method_once_untimed_and_the_results_do_not_change(embedded, monkeypatch):

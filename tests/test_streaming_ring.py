@@ -84,10 +84,11 @@ def test_ring_equals_kernel_path_step_by_step(n_sink, B, prompt):
             assert isinstance(ring.free, int) and not isinstance(layer.kernel.free, int)
             assert np.all(np.array(layer.kernel.free) == ring.free)
     assert isinstance(ring.free, int)
-    # a multi-token call mid-decode selects again, keeping slots in slot order (so the oldest token
-    # is in no particular slot): the ring is derived anew
+    # a multi-token call mid-decode appends its tokens without eviction (the first into the free
+    # slot, the rest in new slots), and decoding then keeps that count: the ring is derived anew
+    held = ring.tokens_kept
     layer.feed(5)
-    assert ring.free is None
+    assert ring.free is None and ring.tokens_kept == held + 5 == ring.held_limit
     for _ in range(20):
         layer.feed()
     assert isinstance(ring.free, int)

@@ -50,13 +50,19 @@ class Method:
     # runs instead of skipping them (ids of methods never bumped stay as they were).
     revision: ClassVar[int] = 0
 
+    @property
+    def evicts_while_decoding(self) -> bool:
+        """Whether the cache drops tokens after the prompt (then the protocol changes its numbers)."""
+        return False
+
     def make_cache(self, model) -> list:
         """One cache per transformer layer, usable as mlx-lm's `prompt_cache`."""
         raise NotImplementedError
 
-    def for_run(self, generated_tokens: int) -> "Method":
-        """This config for a run that generates `generated_tokens` tokens (Keyformer anneals tau
-        over them). Not part of the run id: the run's decode steps already are."""
+    def for_run(self, answer_budget: int, answer_tokens: int | None = None) -> "Method":
+        """This config for a run that may generate `answer_budget` tokens (max_new_tokens) and, where
+        known, generates `answer_tokens` (the reference answer): Keyformer anneals tau over one of
+        them. Not part of the run id: the task's budget and the run's decode steps already are."""
         return self
 
     GRID_COLUMNS: ClassVar[tuple[str, ...]] = ("budget", "bits", "tau_init", "tau_end")

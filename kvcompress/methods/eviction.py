@@ -21,6 +21,13 @@ the highest-scoring rest. Each later step adds the new token, updates scores, an
 unprotected token per row (kvcompress/kernels/evict.py). The sweep's `from_prefill` reaches the same
 state from a finished full prefill (tested: same positions, same scores).
 
+Tokens that come in a multi-token call after the prompt was compressed (the question part of the
+query-agnostic protocol, a new chat turn) are appended without eviction, as kvpress appends the
+question to every press's compressed context: the scores still see their queries, and a method that
+evicts while decoding then holds `held_limit` = the tokens held when the answer starts (the budget
+plus those tokens), evicting from the first generated token on. `answer_start` is the position of
+the first generated token (Keyformer's temperature schedule counts from it).
+
 Positions: "exact" keeps every key rotated at its true position and `offset` is the true position;
 "compact" re-rotates survivors to slots 0..n-1 and reports `offset = n` (StreamingLLM-style), with
 RoPE rotations read off the model's own module. A method may give rows different lengths (AdaKV):
@@ -108,6 +115,10 @@ class Eviction(Method):
         if is_int(self.budget):
             self.resolve(self.budget)  # a token budget is checked now, a fraction once the prompt is known
 
+    @property
+    def evicts_while_decoding(self) -> bool:
+        return self.decode != "grow"
+
     # -- budget --------------------------------------------------------------------------------
 
     def resolve(self, prompt_tokens: int, layer: int = 0, n_layers: int = 1) -> tuple[int, int]:
@@ -122,10 +133,11 @@ class Eviction(Method):
             )
         if capacity >= prompt_tokens:  # nothing to compress in any layer (as PyramidKV's code)
             return capacity, recent
-        return self.layer_capacity(capacity, recent, layer, n_layers), recent
+        return self.layer_capacity(capacity, recent, layer, n_layers, prompt_tokens), recent
 
-    def layer_capacity(self, capacity: int, recent: int, layer: int, n_layers: int) -> int:
-        """Layer-wise budgets (PyramidKV) override this; the mean over layers stays `capacity`."""
+    def layer_capacity(self, capacity: int, recent: int, layer: int, n_layers: int, prompt_tokens: int) -> int:
+        """Layer-wise budgets (PyramidKV) override this; the mean over layers stays `capacity`, and
+        no layer's exceeds the prompt."""
         return capacity
 
     # -- score hooks (see the module docstring) ------------------------------------------------
@@ -243,6 +255,9 @@ class EvictionCache(CompressedCache):
         self.position = 0  # true position of the next token
         self.offset = 0  # where mlx-lm rotates the next token: position (exact) or n (compact)
         self.prompt_len = self.capacity = self.recent = None  # known once the prompt is complete
+        # tokens held while decoding (capacity, plus tokens appended by multi-token calls after the
+        # prompt) and the position of the first generated token: see the module docstring
+        self.held_limit = self.answer_start = None
         self.padded = False  # rows of different lengths (PAD slots present)
         self.window_queries = None  # [R, G, <= window, D] the prompt's last queries, until selection
         self.rope_step = None  # (cos, sin) of one RoPE position, for compact-mode eviction
@@ -318,6 +333,10 @@ class EvictionCache(CompressedCache):
             if S == 1:
                 self._complete_prompt()
             return out
+        if S > 1:  # appended without eviction, before the answer (the question part; module docstring)
+            self.held_limit = max(self.held_limit, self.tokens_kept)
+            self.answer_start = self.position
+            self._ring, self._ring_checked = None, False  # new slots: StreamingLLM's ring is derived anew
         decode = "grow" if self.config.decode == "grow" else self.scorer.decode
         masked = S > 1 or self.padded
         scored = decode in ("accumulate", "replace")  # scores from this step's probabilities
@@ -397,7 +416,7 @@ class EvictionCache(CompressedCache):
     def _evicts_by_scores_now(self) -> bool:
         """Whether `_evict_down` would now pick one slot per row by `scores` (`evict_slot`)."""
         config = self.config
-        return (config.decode != "grow" and self.length == self.capacity + 1 and not self.padded
+        return (config.decode != "grow" and self.length == self.held_limit + 1 and not self.padded
                 and config.positions == "exact" and config.ranks_by_scores()
                 and not (self.ring_order and config.score_is_position))
 
@@ -503,6 +522,7 @@ class EvictionCache(CompressedCache):
     def _complete_prompt(self):
         self.prompt_len = self.position
         self.capacity, self.recent = self.config.resolve(self.prompt_len, self.layer, self.n_layers)
+        self.held_limit, self.answer_start = self.capacity, self.position
         scorer = self.scorer
         if scorer.decode in ("replace", "grow"):
             self._scores = scorer.score_prompt(self, self.keys, self.window_queries)
@@ -534,9 +554,9 @@ class EvictionCache(CompressedCache):
 
     def _evict_down(self):
         n = self.length
-        if self.config.decode == "grow" or n <= self.capacity:
+        if self.config.decode == "grow" or n <= self.held_limit:
             return
-        if n == self.capacity + 1 and not self.padded:
+        if n == self.held_limit + 1 and not self.padded:
             if self.config.positions == "exact" and (slot := self._ring_slot()) is not None:
                 self.free = slot  # no device work: update_and_fetch writes the next token there
                 return
@@ -559,7 +579,7 @@ class EvictionCache(CompressedCache):
                 self.config.n_sink, self.recent, self.rope_step, self.traditional,
             )[:4])
         else:
-            self._select(self.capacity, self.position - 1)
+            self._select(self.held_limit, self.position - 1)
         self._set_offset()
 
     def _recent_start(self) -> int:
@@ -674,7 +694,7 @@ class EvictionCache(CompressedCache):
         elif self.config.decode == "grow":
             spare = GROW_STEP
         else:
-            spare = max(0, min(GROW_STEP, self.capacity + 1 - end))
+            spare = max(0, min(GROW_STEP, self.held_limit + 1 - end))
         align = KV_ALIGN if self.prompt_len is not None and _on_cuda() else 1
         self._keys, self._values = (_room(a, start, end, spare, align) for a in (self._keys, self._values))
         self._positions = _room(self._positions, start, end, spare)
@@ -715,7 +735,7 @@ class EvictionCache(CompressedCache):
     def meta_state(self) -> str:
         """Everything but the arrays, as JSON (mlx-lm stores strings in its prompt-cache files)."""
         fields = ("layer", "n_layers", "n_kv_heads", "head_dim", "scale", "traditional", "batch", "position", "offset",
-                  "prompt_len", "capacity", "recent", "padded")
+                  "prompt_len", "capacity", "recent", "padded", "held_limit", "answer_start")
         meta = {"config": json.loads(self.config.to_json()), **{f: getattr(self, f) for f in fields}}
         return json.dumps({**meta, "free_slot": self.free is not None})
 
@@ -724,6 +744,9 @@ class EvictionCache(CompressedCache):
         from . import method_config  # the registry imports this module
 
         meta = json.loads(v)
+        # files from before the question part was appended without eviction
+        meta.setdefault("held_limit", meta["capacity"])
+        meta.setdefault("answer_start", meta["prompt_len"])
         self.config = method_config(**meta.pop("config"))
         self.scorer = self.config.scoring()
         if meta.pop("free_slot", False):  # saved as position PAD (exact caches are never padded then)

@@ -5,6 +5,11 @@ from the first layer to the last while the total over layers stays budget x laye
 window w each layer keeps c_l tokens: with a = capacity - w, the last layer gets a / beta, the first
 2a - a / beta, linear in between (the paper's Eq. 5-6, beta = 20), rounded so the sum is exactly
 layers x a. Scoring is SnapKV's.
+
+Above about half the prompt the first layers' shares would exceed the prompt (at 0.75 of a
+767-token prompt the first layer's is ~1.5x the prompt): a layer cannot keep more than it has, so
+shares are clamped to the prompt and the surplus goes to the layers below it (as kvpress and
+KVCache-Factory clamp), keeping the mean kept over layers equal to the budget.
 """
 
 from __future__ import annotations
@@ -24,19 +29,23 @@ class PyramidKV(SnapKV):
     """
 
     name = "pyramidkv"
+    # 1: layer shares clamped to the prompt, the surplus redistributed (above ~52% of the prompt
+    # fewer tokens were kept than the budget)
+    revision = 1
     beta: int = 20
 
     def __post_init__(self):
         check(is_int(self.beta) and self.beta >= 1, f"{self.name}.beta", "an int >= 1", self.beta)
         super().__post_init__()
 
-    def layer_capacity(self, capacity: int, recent: int, layer: int, n_layers: int) -> int:
-        return recent + layer_shares(capacity - recent, n_layers, self.beta)[layer]
+    def layer_capacity(self, capacity: int, recent: int, layer: int, n_layers: int, prompt_tokens: int) -> int:
+        return recent + layer_shares(capacity - recent, n_layers, self.beta, prompt_tokens - recent)[layer]
 
 
-def layer_shares(mean: int, n_layers: int, beta: int) -> list[int]:
+def layer_shares(mean: int, n_layers: int, beta: int, most: int | None = None) -> list[int]:
     """Integer tokens per layer, linear from 2 mean - mean / beta down to mean / beta, summing to
-    n_layers x mean (largest remainders get the rounding)."""
+    n_layers x mean (largest remainders get the rounding); with `most` (>= mean), no share above
+    it: the excess of clamped layers is spread over the others, evenly, until none exceeds it."""
     if n_layers == 1:
         return [mean]
     top = mean / beta
@@ -46,4 +55,13 @@ def layer_shares(mean: int, n_layers: int, beta: int) -> list[int]:
     by_remainder = sorted(range(n_layers), key=lambda i: (shares[i] - exact[i], i))
     for i in by_remainder[: n_layers * mean - sum(shares)]:
         shares[i] += 1
+    if most is None:
+        return shares
+    while any(s > most for s in shares):
+        surplus = sum(max(0, s - most) for s in shares)
+        shares = [min(s, most) for s in shares]
+        below = [i for i in range(n_layers) if shares[i] < most]  # the deepest layers (smallest shares)
+        each, extra = divmod(surplus, len(below))
+        for k, i in enumerate(below):
+            shares[i] += each + (k < extra)
     return shares

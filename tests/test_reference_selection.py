@@ -271,10 +271,7 @@ def pyramid_shares(mean_share: int, prompt_tokens: int, window: int, n_layers: i
     return max_num - np.arange(n_layers) * (max_num - min_num) / (n_layers - 1)
 
 
-CLAMP = pytest.mark.xfail(strict=True, reason="PyramidKV clamp: issue 37 item 3")
-
-
-@pytest.mark.parametrize("budget", [0.25, 0.5, pytest.param(0.75, marks=CLAMP), pytest.param(0.9, marks=CLAMP)])
+@pytest.mark.parametrize("budget", [0.25, 0.5, 0.75, 0.9])
 def test_pyramidkv_layer_budgets_and_selection_follow_the_reference(prompt, budget):
     config = method_config("pyramidkv", budget=budget)  # window 32, kernel 7, max pooling, beta 20
     assert (config.recent, config.kernel, config.pooling, config.beta) == (32, 7, "max", 20)

@@ -6,10 +6,11 @@ window w each layer keeps c_l tokens: with a = capacity - w, the last layer gets
 2a - a / beta, linear in between (the paper's Eq. 5-6, beta = 20), rounded so the sum is exactly
 layers x a. Scoring is SnapKV's.
 
-Above about half the prompt the first layers' shares would exceed the prompt (at 0.75 of a
-767-token prompt the first layer's is ~1.5x the prompt): a layer cannot keep more than it has, so
-shares are clamped to the prompt and the surplus goes to the layers below it (as kvpress and
-KVCache-Factory clamp), keeping the mean kept over layers equal to the budget.
+Above about half the prompt the first layer's share would exceed the prompt (at 0.75 of a
+767-token prompt it is ~1.5x the prompt): a layer cannot keep more than it has, so, as
+KVCache-Factory and kvpress do, the first layer's share is clamped to the prompt (beyond the window)
+and the last layer's raised to keep the mean, still one straight line between them: the mean kept
+over layers stays equal to the budget.
 """
 
 from __future__ import annotations
@@ -44,24 +45,17 @@ class PyramidKV(SnapKV):
 
 def layer_shares(mean: int, n_layers: int, beta: int, most: int | None = None) -> list[int]:
     """Integer tokens per layer, linear from 2 mean - mean / beta down to mean / beta, summing to
-    n_layers x mean (largest remainders get the rounding); with `most` (>= mean), no share above
-    it: the excess of clamped layers is spread over the others, evenly, until none exceeds it."""
+    n_layers x mean (largest remainders get the rounding). With `most` (>= mean), where the first
+    layer's share would exceed it, the line runs from `most` down to 2 mean - most instead."""
     if n_layers == 1:
         return [mean]
     top = mean / beta
     bottom = 2 * mean - top
+    if most is not None and bottom > most:
+        bottom, top = most, 2 * mean - most
     exact = [bottom - layer * (bottom - top) / (n_layers - 1) for layer in range(n_layers)]
     shares = [int(x) for x in exact]
     by_remainder = sorted(range(n_layers), key=lambda i: (shares[i] - exact[i], i))
     for i in by_remainder[: n_layers * mean - sum(shares)]:
         shares[i] += 1
-    if most is None:
-        return shares
-    while any(s > most for s in shares):
-        surplus = sum(max(0, s - most) for s in shares)
-        shares = [min(s, most) for s in shares]
-        below = [i for i in range(n_layers) if shares[i] < most]  # the deepest layers (smallest shares)
-        each, extra = divmod(surplus, len(below))
-        for k, i in enumerate(below):
-            shares[i] += each + (k < extra)
     return shares

@@ -7,7 +7,8 @@ the paper); its protected sinks and window stay in every head. Rows then hold di
 tokens: the batched layout pads short rows with invisible slots (eviction.PAD), which are resident
 and counted in live bytes. Like SnapKV, only the prompt is compressed.
 
-The safeguard (the paper's code and kvpress, `alpha_safeguard` 0.2): every head first keeps its own
+The safeguard (kvpress's `AdaKVPress`, `alpha_safeguard` 0.2; the AdaKV repository blends its floor
+differently): every head first keeps its own
 best `safeguard x capacity` tokens, and only the rest of the layer's budget is allocated by the one
 top-k across heads, so no head is starved (and the longest row, which sets the padded layout's
 resident size, stays closer to the mean). `safeguard=0` is Alg. 1 without it.

@@ -225,13 +225,14 @@ def test_tensor_cores_alone_where_no_token_is_left(emulated_cuda):
 
 def test_tensor_cores_cover_only_what_fits():
     def covers(D, M, bits, dtype=mx.float16):
-        return kivi_attention_mma.supported(dtype, D, bits, bits, 32, M)
+        return kivi_attention_mma.supported(dtype, D, bits, bits, 32, M, kivi_attention.scalar_shared_bytes(D, M))
 
     assert covers(128, 4, 2) and covers(128, 5, 4) and covers(64, 7, 2)
     assert not covers(128, 5, 2) and not covers(128, 8, 4) and not covers(256, 1, 2)  # 48 KiB of shared memory
     assert not covers(128, 4, 2, mx.bfloat16) and not covers(128, 4, 8)
     for D, M, bits in ((128, 4, 2), (128, 5, 4), (64, 8, 4)):
-        assert kivi_attention_mma.shared_bytes(D, M, bits, bits, 32) <= kivi_attention_mma.SHARED_LIMIT
+        scalar = kivi_attention.scalar_shared_bytes(D, M)
+        assert kivi_attention_mma.shared_bytes(D, M, bits, bits, 32, scalar) <= kivi_attention_mma.SHARED_LIMIT
     # rows that allow the copies: whole 16-byte key rows; two key groups a step need an even count
     # (G 32 < 64-token steps); one value group a token needs an even number of value rows
     assert kivi_attention_mma.aligned(8, 13, 781, 4, 64, 32)

@@ -520,6 +520,13 @@ METAL_ATTN_SOURCE = (
 METAL_COMBINE_SOURCE = ("const int tid = (int)thread_position_in_threadgroup.x;"
                         " const long row = (long)threadgroup_position_in_grid.x;\n" + _COMBINE_BODY)
 
+
+def scalar_shared_bytes(D: int, M: int) -> int:
+    """Static shared memory of the scalar kernel's blocks (_ATTN_BODY: the queries, a tile's scores
+    per warp, three row statistics), which the tensor-core kernel's one launch declares too."""
+    return 4 * (D * M + THREADS // 32 * M * TILE + 3 * M)
+
+
 _ATTN_INPUTS = ["q", "kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "dims", "params"]
 _kernels: dict[tuple[str, str], object] = {}
 
@@ -623,7 +630,8 @@ def _launch(dtype, key_bits: int, value_bits: int, group_size: int, D: int, M: i
     template = [("T", dtype), ("KB", key_bits), ("VB", value_bits), ("G", group_size), ("D", D), ("M", M),
                 ("L", L), ("CAUSAL", causal), ("NT", threads)]
     step_tokens = kivi_attention_mma.step_tokens(key_bits, value_bits)
-    fit = backend == "cuda" and kivi_attention_mma.supported(dtype, D, key_bits, value_bits, group_size, M)
+    fit = backend == "cuda" and kivi_attention_mma.supported(dtype, D, key_bits, value_bits, group_size, M,
+                                                             scalar_shared_bytes(D, M))
     combine = dict(template=[("T", dtype), ("D", D), ("M", M), ("CT", COMBINE_THREADS)],
                    threadgroup=(COMBINE_THREADS, 1, 1), output_dtypes=[dtype])
     return _Launch(template, template + [("ST", step_tokens), ("PF", l2_prefetch)],

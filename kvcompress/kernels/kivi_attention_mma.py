@@ -84,18 +84,16 @@ def step_tokens(key_bits: int, value_bits: int) -> int:
     return 128 // max(key_bits, value_bits)
 
 
-def shared_bytes(D: int, M: int, key_bits: int, value_bits: int, group_size: int) -> int:
-    """Static shared memory of the one launch: the scalar kernel's blocks (kivi_attention.py: queries,
-    a tile's scores per warp, three row statistics) and this kernel's (the staging areas of its warps,
-    which the warps' partials reuse at the end). Both kinds of blocks declare both."""
-    from .kivi_attention import TILE  # the scalar kernel's tile
-
-    scalar = 4 * (D * M + WARPS * M * TILE + 3 * M)
+def shared_bytes(D: int, M: int, key_bits: int, value_bits: int, group_size: int, scalar_bytes: int) -> int:
+    """Static shared memory of the one launch: the scalar kernel's blocks (`scalar_bytes`, from
+    kivi_attention.scalar_shared_bytes: that module owns its kernel's arrays and imports this one, not
+    the other way) and this kernel's (the staging areas of its warps, which the warps' partials reuse
+    at the end). Both kinds of blocks declare both."""
     ST = step_tokens(key_bits, value_bits)
     n_groups = D // group_size
     stage = D * ST * key_bits // 32 + 2 * D + ST * (D * value_bits // 32 + 4) + ST * n_groups
     meet = WARPS * 8 * D + 2 * WARPS * 8 + WARPS * 8 * n_groups
-    return scalar + 4 * max(WARPS * stage, meet)
+    return scalar_bytes + 4 * max(WARPS * stage, meet)
 
 HEADER = """
 // The GPU's own instructions (PTX); the CPU emulator (tests/cuda_on_cpu.py) has its own of each
@@ -521,12 +519,13 @@ def _kernel(header: str, scalar_body: str | None):
 
 
 @functools.lru_cache(maxsize=None)
-def supported(dtype, D: int, key_bits: int, value_bits: int, group_size: int, rows: int) -> bool:
+def supported(dtype, D: int, key_bits: int, value_bits: int, group_size: int, rows: int, scalar_bytes: int) -> bool:
     """Whether this kernel covers decode calls of this signature (fp16 queries of head dim D, 2/4-bit
-    codes, the shapes and shared memory; see the module docstring)."""
+    codes, the shapes and shared memory with the scalar kernel's `scalar_bytes`; see the module
+    docstring)."""
     return (dtype == mx.float16 and key_bits in BITS and value_bits in BITS and D in (64, 128)
             and group_size % 32 == 0 and D % group_size == 0 and rows <= 8
-            and shared_bytes(D, rows, key_bits, value_bits, group_size) <= SHARED_LIMIT)
+            and shared_bytes(D, rows, key_bits, value_bits, group_size, scalar_bytes) <= SHARED_LIMIT)
 
 
 def aligned(key_words_per_row: int, key_groups_per_row: int, value_rows: int, value_groups: int,

@@ -5,7 +5,10 @@ matrix, as in kvcompress/methods/kivi.py) attend over T tokens whose first `n_pa
 codes (per channel, K^T [D, T*kb/32] in MLX's layout, groups of G tokens) and whose first
 `n_packed` values are codes (per token, [T, D*vb/32], groups of G channels); the remaining tokens of
 each side are a full-precision residual. Keys and values may have different numbers of codes (the
-paper's residual policy quantizes keys R at a time and values one at a time).
+paper's residual policy quantizes keys R at a time and values one at a time). The plain reference
+is `decode_attention_reference` (MLX ops: `mx.quantized_matmul` on the codes, softmax, residuals):
+the dispatch self-test and the tests compare the kernels here, in kivi_attention_mma.py and in
+kivi_attention_cpu.py with it.
 
 The fused kernel is flash-decoding (Dao et al., 2023): the token axis is cut into tiles of 256;
 each thread block takes `tiles_per_block` consecutive tiles of one (batch, KV head) row and keeps a

@@ -21,6 +21,8 @@ The problem is the one of kivi_attention.py (rows rep-major, post-RoPE queries);
 the tokens [0, n_full) with n_full a multiple of 64 that every row sees (below the key and value
 residuals and the causal band), and the scalar kernel the rest, in the same softmax: both leave
 partial outputs with their running max and sum, and one combine merges them (kivi_attention.py).
+Its reference is that module's `decode_attention_reference` (tests/test_kernel_sources.py, on the CPU
+emulator; on a GPU, tests/test_kivi_attention.py checks it against mx.dequantize then attention).
 
 Each warp is on its own (no block barrier until the end): it walks steps of ST tokens (64 for 2-bit
 codes, 32 where either side has 4-bit codes: 16 bytes of key codes a channel), keeping an online

@@ -6,8 +6,8 @@ Keys are quantized per channel (groups of G tokens along the token axis), values
 of G channels). Codes are written in MLX's quantized layout (an LSB-first bit stream in uint32
 words, groups along the last axis) so `mx.dequantize` and `mx.quantized_matmul` read them directly.
 
-Exact semantics shared by every path (the reference defines them; the kernels must match it bit
-for bit):
+Exact semantics shared by every path (the reference, `quantize_pack_reference`, defines them; the
+kernels must match it bit for bit):
 - min and max in float32 of the input values; `zero` = the group minimum (exact in the input dtype);
 - `scale` is computed in float32, then stored in the input dtype; codes use the *stored* scale, so
   dequantization `zero + code * scale` is consistent with how the codes were chosen;

@@ -10,7 +10,8 @@ then a compiled chain, a softmax and a column sum each read and write it again; 
 x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200 and Keyformer's ~4.4x
 (benchmarks/EVICTION_GPU_NOTES.md): the tiles' memory traffic, not their arithmetic, bounds it.
 Here two kernels keep every logit on the chip (FlashAttention's two-pass form, Dao et al. 2022, in
-FlashAttention-2's layout, Dao 2023):
+FlashAttention-2's layout, Dao 2023). Their plain reference is `accumulated_attention_reference`
+(MLX ops over the whole [rows x n] logits at once), which the self-test and the tests compare with:
 
 1. `row_lse`: one block per 64 query rows, each warp's 16 as tensor-core A fragments in registers;
    over tiles of 64 keys streamed through shared memory (cp.async, two buffers: the next tile loads

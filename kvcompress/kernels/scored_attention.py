@@ -38,9 +38,11 @@ the slot `evict_slot` (kernels/evict.py) would: the lowest unprotected score, ti
 position; one launch fewer per layer. It then sets that slot's score to 0, the score the cache's
 next token (written there) starts from, so the token's write needs no score scatter: one more.
 
-Every variant is checked against the reference on the H200 (tests/test_scored_attention.py) and on
-the CPU, where the CUDA source runs through tests/cuda_on_cpu.py (g++, a thread per GPU thread,
-shuffles and barriers emulated; tests/test_kernel_sources.py).
+Every variant is checked against the plain reference, `scored_attention_reference` (MLX ops: the
+logits' product, softmax, the output and the heads' column sum), on the H200
+(tests/test_scored_attention.py) and on the CPU, where the CUDA source runs through
+tests/cuda_on_cpu.py (g++, a thread per GPU thread, shuffles and barriers emulated;
+tests/test_kernel_sources.py).
 
 Two launches read the keys once, the values once and the [R, G, n] logits once (2 MiB at 16k
 slots x 8 rows x 4 heads against 32 MiB of fp16 keys). Keys and values are the cache's buffers as

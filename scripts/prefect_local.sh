@@ -26,6 +26,7 @@ server() {
   PREFECT_UI_API_URL=${PREFECT_UI_API_URL:-$PREFECT_API_URL} \
     nohup prefect server start --host "${PREFECT_SERVER_HOST:-127.0.0.1}" --port "$port" >"$PREFECT_HOME/server.log" 2>&1 &
   echo $! >"$PREFECT_HOME/server.pid"
+  disown $!  # not a job of this shell: `stop` (from `demo`) kills it without bash printing "Killed"
   for _ in $(seq 180); do
     healthy && { echo "prefect server: up at $PREFECT_API_URL (bound to ${PREFECT_SERVER_HOST:-127.0.0.1}); dashboard: ${PREFECT_API_URL%/api}"; return; }
     kill -0 "$(cat "$PREFECT_HOME/server.pid")" 2>/dev/null || break
@@ -49,6 +50,7 @@ deploy() {
 worker() {
   nohup prefect worker start --pool "$pool" >>"$PREFECT_HOME/worker.log" 2>&1 &
   echo $! >>"$PREFECT_HOME/worker.pid"
+  disown $!
   echo "worker started (log: $PREFECT_HOME/worker.log)"
 }
 
@@ -58,6 +60,7 @@ workers() {  # N shard workers, one shard at a time each (run on any machine tha
     nohup prefect worker start --pool "$pool-shards" --limit 1 --name "shard-worker-$i-$$" \
       >>"$PREFECT_HOME/shard-worker-$i.log" 2>&1 &
     echo $! >>"$PREFECT_HOME/worker.pid"
+    disown $!
   done
   echo "$n shard workers started (logs: $PREFECT_HOME/shard-worker-*.log)"
 }

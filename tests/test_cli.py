@@ -110,9 +110,10 @@ def _interface_address() -> str | None:
 
 @pytest.mark.skipif(_interface_address() is None, reason="no non-loopback interface to reach the server through")
 def test_server_binds_loopback_by_default_and_serves_other_machines_when_asked(tmp_path):
-    """The README's multi-machine recipe as far as one box allows: the script's server bound with
-    PREFECT_SERVER_HOST=0.0.0.0, a worker started with http://HOST:PORT/api (HOST an interface
-    address, not loopback) registers with it; without the variable that address is refused."""
+    """The multi-machine recipe of docs/many-machines.md as far as one box allows: the script's
+    server bound with PREFECT_SERVER_HOST=0.0.0.0, a worker started with http://HOST:PORT/api (HOST
+    an interface address, not loopback) registers with it; without the variable that address is
+    refused."""
     from kvcompress_flows.local_server import free_port, healthy, stop_process_group
 
     address, port = _interface_address(), free_port()

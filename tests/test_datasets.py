@@ -195,7 +195,7 @@ def test_passkey_score_and_answer_length(tok):
 def test_passkey_prompt_is_landmarks_raw_text_ending_in_the_completion_cue(tok):
     sample = build("passkey", tok, context_tokens=512, num_samples=1)[0]
     text = tok.decode(prompt_tokens(sample, tok))
-    assert "<|im_start|>" not in text  # no chat template: it breaks the cue (README, Datasets)
+    assert "<|im_start|>" not in text  # no chat template: it breaks the cue (docs/datasets.md)
     assert text.startswith("There is an important info hidden inside a lot of irrelevant text.")
     assert text.endswith("What is the pass key? The pass key is")
 

@@ -1,8 +1,9 @@
-"""The README's examples run as written: every fenced block after a `<!-- readme-test... -->` line
-runs here, against a real tiny sweep (the README's own `readme-test: grid` block, on the embedded
-model). Python blocks run in a directory whose `results` is that sweep's results root; SQL blocks
-run on the report views (`kvcompress_reports.connect`) and must return rows; the `spec` block is
-a grid that must parse and plan."""
+"""The README's and the docs' examples run as written: every fenced block after a
+`<!-- readme-test... -->` line in README.md, then in `docs/*.md` (sorted by name), runs here, against
+a real tiny sweep (the README's own `readme-test: grid` block, on the embedded model). Python blocks
+run in a directory whose `results` is that sweep's results root; SQL blocks run on the report views
+(`kvcompress_reports.connect`) and must return rows; the `spec` block is a grid that must parse and
+plan."""
 
 from __future__ import annotations
 
@@ -16,15 +17,22 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^<!-- readme-test(?::\s*(\w+))? -->\n```(\w+)\n(.*?)^```", re.M | re.S)
 
 
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def readme_blocks() -> list[tuple[str, str, str]]:
-    """(kind, language, code) of every marked block, in README order."""
-    return [(kind or "run", lang, code) for kind, lang, code in BLOCK.findall((ROOT / "README.md").read_text())]
+    """(kind, language, code) of every marked block: README.md's in order, then each docs page's."""
+    return [
+        (kind or "run", lang, code)
+        for document in DOCUMENTS
+        for kind, lang, code in BLOCK.findall(document.read_text())
+    ]
 
 
 def test_the_readme_marks_its_runnable_examples():
     kinds = [(kind, lang) for kind, lang, _ in readme_blocks()]
     assert kinds.count(("run", "python")) == 3 and kinds.count(("run", "sql")) == 3
-    assert ("grid", "yaml") in kinds and ("spec", "yaml") in kinds
+    assert kinds.count(("grid", "yaml")) == 1 and ("spec", "yaml") in kinds
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +63,10 @@ def test_readme_example_runs(index, readme_results, monkeypatch, capsys):
     monkeypatch.chdir(readme_results)
     if lang == "python":
         names = {"__name__": "__readme__"}
-        exec(compile(code, f"README.md block {index}", "exec"), names)
+        exec(compile(code, f"readme-test block {index}", "exec"), names)
         assert capsys.readouterr().out.strip() or names.get("rows")  # each shows or returns something
     else:
         from kvcompress_reports import connect
 
         rows = connect("results").sql(code).fetchall()
-        assert rows, f"README SQL block {index} returned no rows on the README sweep"
+        assert rows, f"readme-test SQL block {index} returned no rows on the README sweep"

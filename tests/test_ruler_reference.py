@@ -122,8 +122,8 @@ def half_length(sample) -> bool:
 def test_haystacks_fill_the_same_budget(tok, theirs, ours):
     """Both size the haystack so that prompt + answer budget fits 1024 tokens. RULER counts the
     task template only (`--model_template_type base`); we count the chat template too (~30 tokens),
-    so our haystack is that much shorter. fwe departs more (README): RULER steps its word count by
-    max_len // 32 and keeps one size for all samples, our binary search fills each sample."""
+    so our haystack is that much shorter. fwe departs more (docs/datasets.md): RULER steps its word
+    count by max_len // 32 and keeps one size for all samples, our binary search fills each sample."""
     for task in RULER_TASKS:
         whole = [s for s in theirs[task] if not half_length(s)]  # the next test's quirk aside
         difference = context_tokens(tok, whole) - context_tokens(tok, ours[task])
@@ -135,7 +135,7 @@ def test_haystacks_fill_the_same_budget(tok, theirs, ours):
 
 def test_rulers_half_length_samples_are_not_copied(theirs, ours):
     """RULER's niah.py drops an essay haystack by 500 words when a redrawn sample overflows; at 1024
-    tokens that halves the sample. Ours are never cut so (README, departures)."""
+    tokens that halves the sample. Ours are never cut so (docs/datasets.md, departures)."""
     half = {task: sum(half_length(s) for s in theirs[task])
             for task in RULER_TASKS}
     assert half == {**{task: 0 for task in RULER_TASKS}, "niah_single_2": 8, "niah_multikey_1": 16,

@@ -20,7 +20,7 @@ template's generation prompt, then RULER's answer prefix; the whole prompt plus 
 budget (`tokens_to_generate`) fits `context_tokens`, as RULER sizes it (binary search on the
 haystack). Scores: `string_match_all`. Each sample records the character spans of its evidence
 (needles, chain assignments) in `metadata.evidence_chars`, turned into prompt token spans by
-`build_prompt`. Departures from RULER's generator are listed in the README (Datasets).
+`build_prompt`. Departures from RULER's generator are listed in `docs/datasets.md`.
 """
 
 from __future__ import annotations

@@ -37,13 +37,13 @@ class AttentionLeftOut:
         self.classes = {type(c) for c in caches if hasattr(c, "attention")}
 
     def __enter__(self):
-        self.saved = hook._original_sdpa, {cls: cls.attention for cls in self.classes}
-        hook._original_sdpa = lambda queries, *args, **kwargs: queries
+        self.saved = hook.original_sdpa, {cls: cls.attention for cls in self.classes}
+        hook.original_sdpa = lambda queries, *args, **kwargs: queries
         for cls in self.classes:
             cls.attention = lambda self, queries, *args, **kwargs: queries
 
     def __exit__(self, *exc):
-        hook._original_sdpa, methods = self.saved
+        hook.original_sdpa, methods = self.saved
         for cls, method in methods.items():
             cls.attention = method
 

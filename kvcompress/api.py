@@ -34,9 +34,11 @@ def load_prompt_cache(path: str, model=None, return_metadata: bool = False):
 
     cache, metadata = mlx_load(path, return_metadata=True)
     if model is not None:
-        for layer, c in zip(model.layers, cache):
-            if hasattr(c, "rope"):
-                c.rope = layer.self_attn.rope
+        from .adapter import model_layout
+
+        for layer in model_layout(model).attention:
+            if hasattr(cache[layer.index], "rope"):
+                cache[layer.index].rope = layer.rope
     return (cache, metadata) if return_metadata else cache
 
 

@@ -9,28 +9,26 @@ path unchanged, so installing the hook never alters a full-cache run.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models import base as _base
 
-_original_sdpa = _base.scaled_dot_product_attention
+original_sdpa = _base.scaled_dot_product_attention
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    # queries: [B, H_q, L, D] post-RoPE; keys/values: whatever cache.update_and_fetch returned
+    # queries: [B, H_q, L, D] post-RoPE; keys/values: whatever cache.update_and_fetch returned;
+    # sinks: None, or one logit per query head [H_q] that joins every softmax (GPT-OSS)
     attend = getattr(cache, "attention", None)
     if attend is None:
-        return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    if sinks is not None:
-        raise NotImplementedError("kvcompress caches do not support attention sinks yet")
-    return attend(queries, keys, values, scale=scale, mask=mask)
+        return original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 def install() -> None:
     """Patch every loaded mlx-lm model module (idempotent; call after the model is loaded)."""
     for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _original_sdpa:
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is original_sdpa:
             module.scaled_dot_product_attention = scaled_dot_product_attention
 
 
@@ -57,22 +55,3 @@ def reference_attention(queries, keys, values, scale, mask=None) -> mx.array:
             logits = logits + mask
     probs = mx.softmax(logits, axis=-1).reshape(B, n_kv, rep, L, T)
     return (probs @ v).reshape(B, n_q, L, D).astype(queries.dtype)
-
-
-@dataclass(frozen=True)
-class AttentionGeometry:
-    """What a cache needs to know about the model's attention layers."""
-
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rope: object  # the layer's RoPE module (mlx.nn.RoPE or a scaled variant); `rope(x, offset)`
-
-
-def attention_geometry(model) -> AttentionGeometry:
-    """Read layer count, head counts, head_dim and the RoPE module from an mlx-lm model."""
-    layers = model.layers
-    attn = layers[0].self_attn
-    head_dim = getattr(attn, "head_dim", None) or attn.k_proj.weight.shape[0] // attn.n_kv_heads
-    return AttentionGeometry(len(layers), attn.n_heads, attn.n_kv_heads, head_dim, attn.rope)

@@ -44,13 +44,18 @@ def evidence_positions(spans: list[tuple[int, int]]) -> np.ndarray:
 def layer_rows(caches: list, full_kv: list, spans: list[tuple[int, int]], stage: str) -> list[dict]:
     """One row per layer: kept fractions and relative errors of the evidence tokens.
 
-    full_kv: per layer the full cache's (keys, values) [B, H, T, D] of the prompt.
+    full_kv: per layer the full cache's (keys, values) [B, H, T, D] of the prompt; a layer that
+    keeps the model's own cache of another kind (a sliding window, a recurrent state) has a copy of
+    that cache instead, and no row (its evidence is the model's business, not the method's).
     """
     evidence = evidence_positions(spans)
     if evidence.size == 0:
         return []
     rows = []
-    for layer, (cache, (full_k, full_v)) in enumerate(zip(caches, full_kv)):
+    for layer, (cache, kv) in enumerate(zip(caches, full_kv)):
+        if not isinstance(kv, tuple):
+            continue
+        full_k, full_v = kv
         positions, keys, values = held(cache)
         B, H, n, D = keys.shape
         keys = np.array(keys.astype(mx.float32)).reshape(B * H, n, D)

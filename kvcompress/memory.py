@@ -3,12 +3,14 @@
 mlx-lm's `KVCache.nbytes` reports allocated capacity (256-token steps). Here every cache is
 measured from its arrays sliced to the tokens it holds, so a full cache at 1000 tokens counts
 1000 tokens, and a compressed cache counts its packed codes, scales and residual, not an estimate.
+A model's own caches on the layers a method leaves alone count too: a `RotatingKVCache` the
+tokens of its window it holds, a recurrent layer's `ArraysCache` its state arrays.
 """
 
 from __future__ import annotations
 
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from .methods.base import CompressedCache
 
@@ -21,29 +23,47 @@ def layer_live_kv_bytes(cache) -> int:
             return 0
         # both classes allocate in 256-token steps; keys_and_values() slices to [..., :offset, :]
         return sum(a.nbytes for _, a in tree_flatten(cache.keys_and_values()))
+    if isinstance(cache, RotatingKVCache):
+        if cache.empty():
+            return 0
+        # allocated in 256-token steps up to its window; after a long multi-token update it holds
+        # more (the update's tokens) until the next step trims it back to the window
+        held = layer_tokens_kept(cache)
+        return sum(a.nbytes // a.shape[2] * held for a in (cache.keys, cache.values))
+    if type(cache).__name__ in ("ArraysCache", "MambaCache"):  # a recurrent layer's state
+        return sum(a.nbytes for _, a in tree_flatten(cache.state) if a is not None)
     raise TypeError(f"cannot measure live KV bytes of {type(cache).__name__}")
 
 
 def layer_tokens_kept(cache) -> int:
     if isinstance(cache, CompressedCache):
         return cache.tokens_kept
+    if isinstance(cache, RotatingKVCache):
+        return 0 if cache.empty() else min(cache.offset, cache.keys.shape[2])
     return cache.offset
 
 
+def _attention_caches(prompt_cache: list) -> list:
+    """The layers that hold tokens (recurrent layers hold a state instead)."""
+    return [c for c in prompt_cache if type(c).__name__ not in ("ArraysCache", "MambaCache")]
+
+
 def live_kv_bytes(prompt_cache: list) -> int:
-    """Sum over layers of resident KV bytes for held tokens."""
+    """Sum over layers of resident KV bytes for held tokens (and recurrent layers' states)."""
     return sum(layer_live_kv_bytes(c) for c in prompt_cache)
 
 
 def tokens_kept(prompt_cache: list) -> int:
-    """Tokens held per layer, the mean over layers (layer-wise budgets differ by layer), rounded."""
-    return round(sum(layer_tokens_kept(c) for c in prompt_cache) / len(prompt_cache))
+    """Tokens held per attention layer, the mean over them (layer-wise budgets and sliding windows
+    differ by layer), rounded."""
+    caches = _attention_caches(prompt_cache)
+    return round(sum(layer_tokens_kept(c) for c in caches) / len(caches)) if caches else 0
 
 
 def budget_tokens(prompt_cache: list) -> float | None:
-    """The budget each layer resolved to for this prompt, mean over layers; None for methods
-    without a token budget (their caches have no `capacity`)."""
-    capacities = [getattr(c, "capacity", None) for c in prompt_cache]
-    if any(c is None for c in capacities):
+    """The budget each compressed layer resolved to for this prompt, mean over those layers; None
+    for methods without a token budget (their caches have no `capacity`)."""
+    capacities = [c.capacity for c in prompt_cache if isinstance(c, CompressedCache) and hasattr(c, "capacity")]
+    if not capacities or any(c is None for c in capacities):
         return None
     return sum(capacities) / len(capacities)

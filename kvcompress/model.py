@@ -372,16 +372,13 @@ def context_window(name_or_path: str = EMBEDDED) -> int | None:
 
 
 def model_info(model: nn.Module) -> dict:
-    """The numbers a report needs about a model: geometry, dtype, RoPE base."""
-    from .attention import attention_geometry
+    """The numbers a report needs about a model: class, layer kinds, geometry, dtype, RoPE base
+    (kvcompress/adapter.py reads them from the model)."""
+    from .adapter import model_layout
 
-    geometry = attention_geometry(model)
     floating = [v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
     return {
-        "n_layers": geometry.n_layers,
-        "n_heads": geometry.n_heads,
-        "n_kv_heads": geometry.n_kv_heads,
-        "head_dim": geometry.head_dim,
+        **model_layout(model).summary(),
         "dtype": str(floating[0].dtype).removeprefix("mlx.core.") if floating else None,
         "rope_theta": getattr(getattr(model, "args", None), "rope_theta", None),
     }

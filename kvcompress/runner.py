@@ -49,6 +49,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import attention, datasets
+from .adapter import native_cache
 from .evidence import layer_rows as evidence_rows
 from .memory import budget_tokens, live_kv_bytes, tokens_kept
 from .methods.base import Method
@@ -104,7 +105,7 @@ def run_config(context: RunContext, sample: dict, method: Method, protocol: str 
         "dataset_params": dict(context.dataset_params),
         "sample_id": sample["id"],
         "sample_fingerprint": sample_fingerprint(sample),
-        "method": method.to_dict(),
+        "method": method_identity(method),
         "decode_steps": context.decode_steps,
         "protocol": protocol,
     }
@@ -117,6 +118,16 @@ def run_config(context: RunContext, sample: dict, method: Method, protocol: str 
     return config
 
 
+def method_identity(method: Method) -> dict[str, Any]:
+    """The method's part of a run id: its full configuration, less `layers` at its default. Runs
+    from before the field (which compressed every layer of models whose layers are all global
+    attention, as "global" does) keep their ids."""
+    config = method.to_dict()
+    if config["layers"] == "global":
+        del config["layers"]
+    return config
+
+
 class RecordingKVCache(KVCache):
     """A full KVCache that keeps the post-RoPE queries of the prompt (for `from_prefill`)."""
 
@@ -125,10 +136,10 @@ class RecordingKVCache(KVCache):
         self.chunks: list[mx.array] = []  # [B, H_q, chunk, D] per prefill chunk
         self.prompt_queries: mx.array | None = None  # [B, H_q, T, D] once the prompt is done
 
-    def attention(self, queries, keys, values, scale, mask):
+    def attention(self, queries, keys, values, scale, mask, sinks=None):
         if self.prompt_queries is None:  # decode steps after the prompt are not recorded
             self.chunks.append(queries)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def finish_prompt(self) -> None:
         self.prompt_queries = mx.concatenate(self.chunks, axis=2)
@@ -152,7 +163,7 @@ def prefill_parts(model, prompt: list[int], record_queries: bool, split: int | N
     position split - 1 (None when split is 0), else None.
     """
     attention.install()
-    caches = [RecordingKVCache() if record_queries else KVCache() for _ in model.layers]
+    caches = prefill_caches(model, record_queries)
     tokens = mx.array(prompt)[None]
     bounds = sorted({0, len(prompt), *range(0, len(prompt), PREFILL_CHUNK), *([split] if split else [])})
     context, logits = None, None
@@ -161,7 +172,7 @@ def prefill_parts(model, prompt: list[int], record_queries: bool, split: int | N
         logits = model(tokens[:, begin:end], cache=caches)
         mx.eval(logits, [c.state for c in caches])
         if end == split:
-            context = ([c.keys_and_values() for c in caches], logits[0, -1])
+            context = ([snapshot(c) for c in caches], logits[0, -1])
             mx.eval(context)
     if split == 0:
         context = ([None] * len(caches), None)
@@ -170,6 +181,33 @@ def prefill_parts(model, prompt: list[int], record_queries: bool, split: int | N
             cache.finish_prompt()
     release_buffers()
     return caches, logits[0, -1], time.perf_counter() - start, context
+
+
+def prefill_caches(model, record_queries: bool) -> list:
+    """The model's own prompt cache (kvcompress/adapter.py), with a `RecordingKVCache` on every
+    global-attention layer when the prompt's queries are needed."""
+    caches = native_cache(model)
+    if record_queries:
+        caches = [RecordingKVCache() if type(c) is KVCache else c for c in caches]
+    return caches
+
+
+def snapshot(cache):
+    """What one prefilled layer holds, to compress or restore from: a global layer's (keys, values)
+    [B, H_kv, T, D], else (a sliding window, a recurrent state) a copy of the model's own cache."""
+    if isinstance(cache, KVCache):
+        return cache.keys_and_values()
+    return copy.deepcopy(cache)
+
+
+def restore(caches: list, snapshots: list) -> None:
+    """Put every layer back to its snapshot (in place: the list is the shared reference prefill)."""
+    for i, held in enumerate(snapshots):
+        if isinstance(held, tuple):
+            keys, values = held
+            caches[i].state = (keys, values, keys.shape[2])
+        else:
+            caches[i] = copy.deepcopy(held)
 
 
 def release_buffers() -> None:
@@ -182,19 +220,25 @@ def release_buffers() -> None:
 
 def derive_cache(model, method: Method, prefilled: list) -> list:
     """Build `method`'s cache and compress a finished full prefill (caches holding the prompt) into it."""
-    queries = [c.prompt_queries for c in prefilled] if method.needs_queries else None
-    return compress_kv(model, method, [c.keys_and_values() for c in prefilled], queries)
+    queries = [getattr(c, "prompt_queries", None) for c in prefilled] if method.needs_queries else None
+    return compress_kv(model, method, [snapshot(c) for c in prefilled], queries)
 
 
 def compress_kv(model, method: Method, kv: list, queries: list | None) -> list:
     """Build `method`'s cache and compress finished full-attention keys/values into it.
 
-    kv: per layer (keys, values) [B, H_kv, T, D]; queries: per layer [B, H_q, T, D] or None.
+    kv: per layer a `snapshot` ((keys, values) [B, H_kv, T, D] of a global layer, or a copy of the
+    model's own cache of another kind, which the method keeps as it is) or None (nothing yet);
+    queries: per layer [B, H_q, T, D] or None.
     """
     caches = method.make_cache(model)
-    for i, (cache, (keys, values)) in enumerate(zip(caches, kv)):
-        if keys is None:  # nothing to compress (an empty context part)
+    for i, (cache, held) in enumerate(zip(caches, kv)):
+        if held is None:  # nothing to compress (an empty context part)
             continue
+        if not isinstance(held, tuple):  # a layer the method leaves to the model's own cache
+            caches[i] = copy.deepcopy(held)
+            continue
+        keys, values = held
         if hasattr(cache, "from_prefill"):
             cache.from_prefill(keys, values, queries[i] if method.needs_queries else None)
         else:  # an mlx-lm cache: the keys and values go in as one update
@@ -321,7 +365,7 @@ def reference(model, tokenizer, sample: dict, methods: list[Method], decode_step
     else:
         caches, first_logits, prefill_s = continue_prefill(model, shared, prompt.tokens)
         context = (shared.kv, shared.logits) if agnostic else None
-    prompt_kv = [c.keys_and_values() for c in caches]
+    prompt_kv = [snapshot(c) for c in caches]
     eos = set(tokenizer.eos_token_ids)
     tokens, logits = reference_decode(model, caches, first_logits, continuation, cap, eos)
     cut = cap < budget and len(tokens) == cap and (continuation is not None or tokens[-1] not in eos)
@@ -330,8 +374,7 @@ def reference(model, tokenizer, sample: dict, methods: list[Method], decode_step
                       f"after {cap} of up to {budget} tokens, before EOS: per-step metrics do not cover the "
                       f"whole answer (runs.reference_cut)", stacklevel=2)
     full_bytes = live_kv_bytes(caches)
-    for cache, (keys, values) in zip(caches, prompt_kv):  # back to the prompt alone
-        cache.state = (keys, values, keys.shape[2])
+    restore(caches, prompt_kv)  # back to the prompt alone
     context_kv, context_logits = context if context is not None else (None, None)
     return Reference(prompt.tokens, prompt.question_start, prompt.evidence, continuation, caches, context_kv,
                      context_logits, prefill_s, tokens, logits, full_bytes, budget, cut)
@@ -414,7 +457,9 @@ def warm_up(model, method: Method, ref: Reference, protocol: str, base: list | N
 def compress_context(model, method: Method, ref: Reference) -> list:
     """The method's cache holding the compressed context part only (query_agnostic)."""
     T = ref.question_start
-    queries = [c.prompt_queries[:, :, :T] for c in ref.prefilled] if method.needs_queries else None
+    queries = None
+    if method.needs_queries:
+        queries = [None if q is None else q[:, :, :T] for q in (getattr(c, "prompt_queries", None) for c in ref.prefilled)]
     return compress_kv(model, method, ref.context_kv, queries)
 
 
@@ -473,7 +518,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         caches, first_logits = compress(model, method.for_run(ref.budget, ref.steps), ref, protocol, base)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
         row["budget_tokens"] = budget_tokens(caches)
-        full_kv = [c.keys_and_values() for c in ref.prefilled]
+        full_kv = [snapshot(c) for c in ref.prefilled]
         evidence = evidence_rows(caches, full_kv, ref.evidence, "compressed")
         # the free-running answer starts from the same compressed prompt: copy it, do not re-derive
         answer_caches = copy.deepcopy(caches) if ref.continuation is None else None

@@ -17,7 +17,7 @@ from kvcompress.methods import method_config
 def test_methods_lists_every_registered_method_with_defaults():
     listed = {m["name"]: m for m in kvcompress.list_methods()}
     assert {"full", "mlx-quant", "streaming"} <= set(listed)
-    assert listed["mlx-quant"]["params"] == {"bits": 4, "group_size": 64}
+    assert listed["mlx-quant"]["params"] == {"bits": 4, "group_size": 64, "layers": "global"}
     assert listed["streaming"]["params"]["n_sink"] == 4
 
 
@@ -74,7 +74,7 @@ def test_mlx_quant_on_a_device_without_its_kernels_fails_before_any_work(embedde
 def test_run_id_json_is_canonical():
     a = method_config("streaming", budget=64, n_sink=2)
     b = method_config("streaming", n_sink=2, budget=64)
-    assert a.to_json() == b.to_json() == '{"budget": 64, "n_sink": 2, "name": "streaming"}'
+    assert a.to_json() == b.to_json() == '{"budget": 64, "layers": "global", "n_sink": 2, "name": "streaming"}'
     assert a.grid_columns() == {"budget": 64.0, "bits": None, "tau_init": None, "tau_end": None}
     # reports group by the label: configs that differ only outside the grid columns stay apart
     assert a.label() == "streaming budget=64 n_sink=2"

@@ -48,7 +48,9 @@ def test_answers_capital_of_france(embedded):
 def test_model_info_and_fingerprint(embedded):
     model, _ = embedded
     assert model_info(model) == {
+        "model_class": "llama.Model",
         "n_layers": 30,
+        "layer_kinds": "30 global",
         "n_heads": 9,
         "n_kv_heads": 3,
         "head_dim": 64,

@@ -255,6 +255,9 @@ def test_a_method_revision_changes_only_that_methods_run_ids():
               for p in ("query_aware", "query_agnostic")}
     assert h2o_agnostic["protocol_revision"] == 1 and "protocol_revision" not in h2o
     assert not any("protocol_revision" in c for c in snapkv.values())
+    # `layers` (issue 36) at its default leaves every run id as it was; "all" is another run
+    assert h2o["method"] == {"name": "h2o", "budget": 0.5, "recent": 0.5}
+    assert run_config(context, sample, method_config("h2o", budget=0.5, layers="all"))["method"]["layers"] == "all"
 
 
 def test_a_gpu_process_warms_each_method_once_untimed_and_the_results_do_not_change(embedded, monkeypatch):

@@ -74,6 +74,11 @@ class PackedSide(NamedTuple):
     n_packed: int
     residual: mx.array
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The dtype attention sees (the residual's): Phi-2 casts its attention output to it."""
+        return self.residual.dtype
+
 
 # The used part of arrays with spare capacity is copied: quantized_matmul on CUDA has no
 # implementation for strided weights ("No implementation for problem shape"), measured on the H200.

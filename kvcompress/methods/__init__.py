@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError, build
+from ..adapter import LAYER_CHOICES
+from ..errors import ConfigError, build, check
 from .base import CompressedCache, Method
 from .adakv import AdaKV
 from .full import Full
@@ -28,7 +29,9 @@ REGISTRY: dict[str, type[Method]] = {
 
 def method_config(name: str, **params: Any) -> Method:
     """Build a validated method config, naming the bad field and the allowed values on error."""
-    return build("method", REGISTRY, name, params)
+    config = build("method", REGISTRY, name, params)
+    check(config.layers in LAYER_CHOICES, f"{name}.layers", f"one of {LAYER_CHOICES}", config.layers)
+    return config
 
 
 def list_methods() -> list[dict[str, Any]]:

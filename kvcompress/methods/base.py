@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from ..adapter import AttentionLayer, ModelLayout, model_layout, native_cache
 from ..errors import ConfigError, check, is_int  # noqa: F401  (ConfigError, check re-exported for users)
 
 
@@ -49,6 +50,10 @@ class Method:
     # (hence the run id) carries it when nonzero, so a resumed sweep recomputes the method's old
     # runs instead of skipping them (ids of methods never bumped stay as they were).
     revision: ClassVar[int] = 0
+    # Which attention layers the method compresses (kvcompress/adapter.py): "global" (every
+    # global-attention layer; sliding-window and recurrent layers keep the model's own cache) or
+    # "all". Keyword-only, so subclasses declare their own fields as before.
+    layers: str = field(default="global", kw_only=True)
 
     @property
     def evicts_while_decoding(self) -> bool:
@@ -56,7 +61,18 @@ class Method:
         return False
 
     def make_cache(self, model) -> list:
-        """One cache per transformer layer, usable as mlx-lm's `prompt_cache`."""
+        """The model's own prompt cache (mlx-lm's `make_prompt_cache`) with this method's cache on
+        every layer it compresses (`layers`), usable as mlx-lm's `prompt_cache`. ConfigError, before
+        any work, where a layer cannot be served right (kvcompress/adapter.py says which and why)."""
+        layout = model_layout(model)
+        targets = layout.targets(self.name, self.layers)
+        caches = native_cache(model)
+        for i, layer in enumerate(targets):
+            caches[layer.index] = self.layer_cache(layer, i, len(targets), layout)
+        return caches
+
+    def layer_cache(self, layer: AttentionLayer, i: int, n: int, layout: ModelLayout):
+        """This method's cache for `layer`, the i-th of the n layers it compresses."""
         raise NotImplementedError
 
     def for_run(self, answer_budget: int, answer_tokens: int | None = None) -> "Method":

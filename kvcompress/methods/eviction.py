@@ -70,7 +70,8 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
-from ..attention import attention_geometry, install
+from ..adapter import POSITIONAL_ROPES, AttentionLayer, ModelLayout, positional_rope
+from ..attention import install
 from ..errors import ConfigError, check, is_int
 from ..kernels.evict import evict_one, evict_slot, rotate_pairs
 from ..kernels.scored_attention import EvictAt, free_slot_zeroed, fuses, scored_attention
@@ -204,28 +205,41 @@ class Eviction(Method):
 
     def make_cache(self, model) -> list:
         install()  # the caches attend themselves; without the hook nothing would be scored
-        g = attention_geometry(model)
-        scale = getattr(model.layers[0].self_attn, "scale", g.head_dim**-0.5)
-        return [
-            EvictionCache(self, layer, g.n_layers, g.n_kv_heads, g.head_dim, model.layers[layer].self_attn.rope, scale)
-            for layer in range(g.n_layers)
-        ]
+        return super().make_cache(model)
+
+    def layer_cache(self, layer: AttentionLayer, i: int, n: int, layout: ModelLayout) -> "EvictionCache":
+        if layer.value_dim != layer.head_dim:
+            raise ConfigError(f"{self.name}: {layout.model_class}'s values have {layer.value_dim} dims and its "
+                              f"keys {layer.head_dim}; eviction caches hold both at one head dim")
+        if self.positions == "compact" and not positional_rope(layer.rope):
+            found = type(layer.rope).__name__ if layer.rope is not None else "none found"
+            raise ConfigError(
+                f"{self.name}.positions: 'compact' re-rotates kept keys with the model's RoPE, which must "
+                f"rotate by position alone (one of {POSITIONAL_ROPES}); {layout.model_class} layer "
+                f"{layer.index}: {found}; use positions='exact'")
+        # i, n: PyramidKV's layer-wise budgets run over the layers this method compresses
+        return EvictionCache(self, i, n, layer.n_kv_heads, layer.head_dim, layer.rope, layer.scale)
 
 
 def rope_rotations(rope, head_dim: int, count: int) -> tuple[mx.array, mx.array]:
     """cos, sin [count, dims/2] of the model's own RoPE at positions 0..count-1.
 
     Read off the module by rotating a probe vector (1 in the first element of every pair), so the
-    base, any frequency scaling and the pair layout are the model's, not assumptions.
+    base, any frequency scaling and the pair layout are the model's, not assumptions. Scaled RoPEs
+    (SuScaledRoPE, YaRN) also multiply the rotated part by a constant: the pairs are divided by
+    their length, leaving the rotation alone (keys carry that factor once already).
     """
-    dims = getattr(rope, "dims", head_dim)
+    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None) or head_dim  # SuScaledRoPE: `dim`
     traditional = getattr(rope, "traditional", False)
     first = mx.arange(head_dim)
     first = ((first % 2 == 0) & (first < dims)) if traditional else (first < dims // 2)
     out = rope(mx.zeros((1, 1, count, head_dim), mx.float32) + first.astype(mx.float32))[0, 0]
     if traditional:
-        return out[:, 0:dims:2], out[:, 1:dims:2]
-    return out[:, : dims // 2], out[:, dims // 2 : dims]
+        cos, sin = out[:, 0:dims:2], out[:, 1:dims:2]
+    else:
+        cos, sin = out[:, : dims // 2], out[:, dims // 2 : dims]
+    length = mx.sqrt(cos * cos + sin * sin)
+    return cos / length, sin / length
 
 
 class EvictionCache(CompressedCache):
@@ -320,15 +334,22 @@ class EvictionCache(CompressedCache):
         self._set_offset()
         return self.held_kv()
 
-    def attention(self, queries, keys, values, scale, mask):
-        """Attention of the S new queries over the kept tokens, then scoring and eviction."""
+    def attention(self, queries, keys, values, scale, mask, sinks=None):
+        """Attention of the S new queries over the kept tokens, then scoring and eviction.
+
+        `mask` is the model's (made by `make_mask`, or a causal mask of the model's own making:
+        kvcompress/adapter.py refuses models that pass anything else); attention masks by the kept
+        tokens' true positions instead, which is the same causal mask over the tokens held.
+        `sinks` [H_q]: one extra logit per query head in every softmax (GPT-OSS), in the output and
+        so in the decode steps' scores; the prompt's accumulated scores leave it out."""
         # queries [B, H_q, S, D]; keys/values: the [B, H_kv, n, D] update_and_fetch returned
         B, n_q, S, D = queries.shape
         R, n = self._keys.shape[0], self.length
         q = queries.reshape(R, n_q * B // R, S, D)  # [R, G, S, D]: a KV head's query group
         new_keys, self._new_keys, self._unscored = self._new_keys, None, 0
         if self.prompt_len is None:  # the prompt: every token so far is kept, in order
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal" if S > 1 else None)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                       mask="causal" if S > 1 else None, sinks=sinks)
             self._score_prompt_queries(q, new_keys, scale)
             if S == 1:
                 self._complete_prompt()
@@ -347,10 +368,11 @@ class EvictionCache(CompressedCache):
         # there the probabilities below give the output.
         gpu = mx.default_device() == mx.gpu if self.fuse_scores is None else self.fuse_scores
         if not masked and not scored:
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, sinks=sinks)
             self._evict_down()
             return out
-        if not masked and gpu and scored_attention_supported(q.shape[1], D, queries.dtype, self._keys.dtype):
+        if (not masked and gpu and sinks is None
+                and scored_attention_supported(q.shape[1], D, queries.dtype, self._keys.dtype)):
             return self._scored_step(queries, q, new_keys, scale, decode)
         query_positions = None  # built only where used: every op costs host time, per layer per step
         if masked or decode == "accumulate":
@@ -358,10 +380,15 @@ class EvictionCache(CompressedCache):
         logits = folded_logits(q, self.keys, scale)  # [R, G, S, n]
         if masked:
             logits = self._causal(logits, query_positions)
-        probs = mx.softmax(logits, axis=-1, precise=True)
+        if sinks is None:
+            probs = mx.softmax(logits, axis=-1, precise=True)
+        else:  # the sink's logit joins each query head's softmax; its probability goes to no value
+            sink = mx.tile(sinks.astype(logits.dtype).reshape(1, R // B, -1), (B, 1, 1)).reshape(R, -1, 1, 1)
+            sink = mx.broadcast_to(sink, (*logits.shape[:3], 1))  # [R, G, S, 1]
+            probs = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)[..., :-1]
         if not masked and gpu:  # a shape the kernels do not cover: the output from SDPA (on the H200
             # the probs @ values matmul below cost ~7x it, benchmarks/EVICTION_GPU_NOTES.md)
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, sinks=sinks)
             # the logits evaluated with the output: the still-lazy scores then hold them, not the
             # keys buffer they read, which the next token's write can then update in place
             out = mx.depends(out, logits)

@@ -27,7 +27,6 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
-from ..attention import attention_geometry
 from ..kernels.kivi_attention import PackedSide, decode_attention, used_keys, used_values
 from ..kernels.kivi_quant import BITS, GROUP_SIZES, quantize_pack
 from ..errors import ConfigError, check, is_int
@@ -82,15 +81,13 @@ class Kivi(Method):
         # a sweep groups KIVI rows by mean code width (K4V2 -> 3.0); KIVI has no token budget
         return {"budget": None, "bits": (self.k_bits + self.v_bits) / 2, "tau_init": None, "tau_end": None}
 
-    def make_cache(self, model) -> list:
-        head_dim = attention_geometry(model).head_dim
-        if head_dim % self.group_size:
+    def layer_cache(self, layer, i, n, layout):
+        if layer.head_dim % self.group_size or layer.value_dim % self.group_size:
             raise ConfigError(
-                f"kivi.group_size: expected a divisor of the model's head_dim {head_dim} "
-                f"(values are grouped along channels), got {self.group_size}"
+                f"kivi.group_size: expected a divisor of the model's head_dim {layer.head_dim} "
+                f"and value dim {layer.value_dim} (values are grouped along channels), got {self.group_size}"
             )
-        return [KiviCache(self.k_bits, self.v_bits, self.group_size, self.residual, self.residual_policy)
-                for _ in model.layers]
+        return KiviCache(self.k_bits, self.v_bits, self.group_size, self.residual, self.residual_policy)
 
 
 def _own(x: mx.array) -> mx.array:
@@ -215,15 +212,17 @@ class KiviCache(CompressedCache):
         return (PackedSide(self.keys_packed, self.n_keys_quantized, res_k),
                 PackedSide(self.values_packed, self.n_values_quantized, res_v))
 
-    def attention(self, queries, keys: PackedSide, values: PackedSide, scale, mask):
-        # queries [B, H_q, L, D]; keys/values: the sides update_and_fetch returned
+    def attention(self, queries, keys: PackedSide, values: PackedSide, scale, mask, sinks=None):
+        # queries [B, H_q, L, D]; keys/values: the sides update_and_fetch returned; sinks [H_q] or None
         B, n_q, L, D = queries.shape
-        if n_q // keys.residual.shape[1] * L <= 8:  # decode: attention on the codes
+        if sinks is None and n_q // keys.residual.shape[1] * L <= 8:  # decode: attention on the codes
             return decode_attention(queries, keys, values, scale, mask, self.key_bits, self.value_bits, self.group_size)
         # a prefill chunk: its own tokens dominate the work, so dequantize the codes once and use
-        # MLX's fused attention (GQA and masks handled there) instead of many-row quantized matmuls
+        # MLX's fused attention (GQA and masks handled there) instead of many-row quantized matmuls.
+        # Attention sinks (GPT-OSS) take this path at every step: the codes kernels have no sink
+        # logit, and the same dequantized keys and values give the same attention
         k, v = self._dequantize_sides(keys, values)
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
 
     def _dequantize_sides(self, keys: PackedSide, values: PackedSide) -> tuple[mx.array, mx.array]:
         G = self.group_size

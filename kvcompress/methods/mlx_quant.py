@@ -12,7 +12,7 @@ from functools import lru_cache
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
-from ..attention import attention_geometry
+from ..adapter import model_layout, trial_error
 from ..errors import ConfigError, check
 from .base import Method
 
@@ -30,26 +30,32 @@ class MlxQuant(Method):
         check(self.group_size in (32, 64, 128), "mlx-quant.group_size", "one of 32, 64, 128", self.group_size)
 
     def make_cache(self, model) -> list:
-        head_dim = attention_geometry(model).head_dim
-        if head_dim % self.group_size:
-            raise ConfigError(
-                f"mlx-quant.group_size: expected a divisor of the model's head_dim {head_dim}, got {self.group_size}"
-            )
-        dtype = _activation_dtype(model)
-        missing = quantized_attention_error(head_dim, self.bits, self.group_size, dtype, str(mx.default_device()))
+        caches = super().make_cache(model)
+        # some models handle the arrays mlx-lm's QuantizedKVCache returns themselves (Phi-2 reads
+        # `values.dtype` of what is a tuple here): one probe-sized pass finds out before any work
+        error = trial_error(model, f"mlx-quant-{self.bits}-{self.group_size}", lambda: super(MlxQuant, self).make_cache(model))
+        if error:
+            raise ConfigError(f"mlx-quant: mlx-lm's QuantizedKVCache does not run on {model_layout(model).model_class} "
+                              f"({error}); 'kivi' may")
+        return caches
+
+    def layer_cache(self, layer, i, n, layout):
+        for what, dim in (("head_dim", layer.head_dim), ("value dim", layer.value_dim)):
+            if dim % self.group_size:
+                raise ConfigError(
+                    f"mlx-quant.group_size: expected a divisor of the model's {what} {dim}, got {self.group_size}")
+        if layer.sinks:
+            raise ConfigError(f"mlx-quant: mlx-lm's quantized attention has no attention sinks, which "
+                              f"{layout.model_class} uses; 'kivi' supports them")
+        missing = quantized_attention_error(layer.head_dim, self.bits, self.group_size, layout.dtype,
+                                            str(mx.default_device()))
         if missing:
             # MLX 0.32's CUDA back-end lacks these kernels (measured on the H200): say so before any work
             raise ConfigError(
                 f"mlx-quant: this device's mx.quantized_matmul cannot run mlx-lm's quantized attention "
-                f"(bits {self.bits}, group_size {self.group_size}, {dtype}): {missing}; 'kivi' runs here"
+                f"(bits {self.bits}, group_size {self.group_size}, {layout.dtype}): {missing}; 'kivi' runs here"
             )
-        return [QuantizedKVCache(group_size=self.group_size, bits=self.bits) for _ in model.layers]
-
-
-def _activation_dtype(model) -> mx.Dtype:
-    proj = model.layers[0].self_attn.k_proj
-    weight = getattr(proj, "scales", proj.weight)  # a quantized model's float dtype is its scales'
-    return weight.dtype
+        return QuantizedKVCache(group_size=self.group_size, bits=self.bits)
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,265 @@
+"""What kvcompress needs to know about an mlx-lm model, read from the model itself.
+
+mlx-lm's architectures name their attention modules, head counts and projections differently
+(`self_attn.n_kv_heads`, `attention.num_key_value_heads`, a fused `qkv_proj`, MLA's latent), and
+some layers are not global attention at all: sliding windows (Gemma 3, GPT-OSS), recurrent state
+(Qwen3-Next, LFM2). Instead of reading attribute names, `model_layout` asks the model:
+
+1. The model's own prompt cache (`mlx_lm.models.cache.make_prompt_cache`: `model.make_cache()`
+   where the model defines it) gives each layer's kind: `KVCache` is global attention,
+   `RotatingKVCache(max_size=W)` a sliding window of W tokens, anything else (ArraysCache,
+   CacheList, ChunkedKVCache, ...) is kept as the model's and never compressed.
+2. One probe forward pass (a 6-token prompt, then one decode step) with recording caches and
+   kvcompress's attention hook shows, per attention layer: the query and KV head counts, head
+   dims, the scale, whether the model passes attention sinks, and whether the model attends
+   through `scaled_dot_product_attention` with exactly the keys and values the cache returned and
+   a plain causal mask. A layer where it does not (Gemma 2's soft-capping, Phi-2's own attention,
+   MLA's latent keys and RoPE term in the mask) cannot be served by a cache that attends itself or
+   drops tokens: `refusal` says why.
+3. RoPE: the `rope` module of the layer's block (only compact positions need it).
+
+A method compresses the layers `targets(layers)` names and keeps the model's own cache on the
+others; `make_cache` refuses (ConfigError, before any prefill) where it cannot be right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from . import attention
+from .errors import ConfigError
+
+LAYER_CHOICES = ("global", "all")  # which attention layers a method compresses
+PROBE_TOKENS = 6
+# RoPE modules whose rotation at position p depends on p alone (compact positions re-rotate keys
+# by position differences); DynamicNTKScalingRoPE, for one, changes its base with the length.
+POSITIONAL_ROPES = ("RoPE", "Llama3RoPE", "SuScaledRoPE", "YarnRoPE", "ProportionalRoPE")
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One attention layer as the probe saw it."""
+
+    index: int  # position in the model's prompt cache list
+    kind: str  # "global" | "sliding"
+    window: int | None  # sliding window in tokens
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # keys' (and queries') last dim
+    value_dim: int
+    scale: float
+    sinks: bool  # the model passes attention sinks (GPT-OSS): one extra logit per query head
+    rope: object | None  # the block's RoPE module where one was found
+    refusal: str | None  # why no kvcompress cache can serve this layer; None when one can
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    model_class: str
+    kinds: tuple[str, ...]  # per prompt-cache entry: "global" | "sliding" | "recurrent" | "other"
+    attention: tuple[AttentionLayer, ...]  # the "global" and "sliding" entries, in order
+    dtype: mx.Dtype  # the activations' (what keys and values are stored in)
+
+    @property
+    def global_layers(self) -> tuple[AttentionLayer, ...]:
+        return tuple(a for a in self.attention if a.kind == "global")
+
+    def targets(self, method: str, layers: str) -> tuple[AttentionLayer, ...]:
+        """The attention layers `method` compresses under `layers`; ConfigError where it cannot be right."""
+        if layers not in LAYER_CHOICES:
+            raise ConfigError(f"{method}.layers: expected one of {LAYER_CHOICES}, got {layers!r}")
+        if layers == "all" and any(a.kind == "sliding" for a in self.attention):
+            raise ConfigError(
+                f"{method}.layers: 'all' compresses sliding-window layers, which kvcompress does not "
+                f"support yet ({self.model_class} has them; its own RotatingKVCache already bounds them "
+                f"to the window): use layers='global'"
+            )
+        chosen = self.global_layers
+        if not chosen:
+            raise ConfigError(f"{method}: {self.model_class} has no global attention layer to compress "
+                              f"(layer kinds: {_counts(self.kinds)})")
+        refused = [a for a in chosen if a.refusal]
+        if refused:
+            raise ConfigError(f"{method}: cannot compress {self.model_class}'s attention "
+                              f"(layer {refused[0].index}: {refused[0].refusal})")
+        return chosen
+
+    def summary(self) -> dict:
+        """Counts and geometry for model_info (the first global layer's, else the first layer's)."""
+        first = (self.global_layers or self.attention or (None,))[0]
+        return {
+            "model_class": self.model_class,
+            "n_layers": len(self.kinds),
+            "layer_kinds": _counts(self.kinds),
+            "n_heads": first.n_heads if first else None,
+            "n_kv_heads": first.n_kv_heads if first else None,
+            "head_dim": first.head_dim if first else None,
+        }
+
+
+def _counts(kinds) -> str:
+    return ", ".join(f"{kinds.count(k)} {k}" for k in ("global", "sliding", "recurrent", "other") if k in kinds)
+
+
+def native_cache(model) -> list:
+    """mlx-lm's own prompt cache for `model`: the baseline every method is compared with."""
+    return make_prompt_cache(model)
+
+
+def layer_kind(cache) -> str:
+    if type(cache) is KVCache:
+        return "global"
+    if type(cache) is RotatingKVCache:
+        return "sliding"
+    if type(cache).__name__ in ("ArraysCache", "MambaCache"):
+        return "recurrent"
+    return "other"
+
+
+def model_layout(model) -> ModelLayout:
+    """The layout of `model`, probed once per model object (see the module docstring)."""
+    layout = model.__dict__.get("_kvcompress_layout") if hasattr(model, "__dict__") else None
+    if layout is None:
+        layout = _probe(model)
+        object.__setattr__(model, "_kvcompress_layout", layout)
+    return layout
+
+
+class _Recorder:
+    """Mixed into the model's own cache classes for the probe: records what the model does."""
+
+    def setup_probe(self):
+        self.fetched = None  # what the last update_and_fetch returned
+        self.calls = []  # one dict per attention call
+
+    def update_and_fetch(self, keys, values):
+        self.fetched = super().update_and_fetch(keys, values)
+        return self.fetched
+
+    def attention(self, queries, keys, values, scale, mask, sinks=None):
+        offset, L = self.offset - queries.shape[2], queries.shape[2]
+        fetched = self.fetched or (None, None)
+        self.calls.append({
+            "queries": queries.shape, "keys": keys.shape, "values": values.shape, "scale": float(scale),
+            "sinks": sinks is not None,
+            "own_arrays": keys is fetched[0] and values is fetched[1],
+            "causal": _is_causal(mask, L, offset, keys.shape[2]),
+        })
+        return attention.original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, sinks=sinks)
+
+
+class _ProbeKV(_Recorder, KVCache):
+    pass
+
+
+class _ProbeRotating(_Recorder, RotatingKVCache):
+    pass
+
+
+def _is_causal(mask, L: int, offset: int, T: int) -> bool:
+    """Whether `mask` lets query i (at position offset + i) see exactly keys 0 .. offset + i."""
+    if mask is None:
+        return L == 1
+    if isinstance(mask, str):
+        return mask == "causal"
+    if T != offset + L:
+        return False
+    causal = mx.arange(offset, offset + L)[:, None] >= mx.arange(T)[None]
+    if mask.dtype == mx.bool_:
+        return bool(mx.all(mx.broadcast_to(mask, (*mask.shape[:-2], L, T)) == causal).item())
+    visible = mx.broadcast_to(mask, (*mask.shape[:-2], L, T)) > -1e30  # additive: 0 where visible
+    finite_zero = mx.all(mx.where(visible, mask == 0, True))
+    return bool((mx.all(visible == causal) & finite_zero).item())
+
+
+def _probe(model) -> ModelLayout:
+    native = native_cache(model)
+    kinds = tuple(layer_kind(c) for c in native)
+    probes = []
+    for cache in native:
+        kind = layer_kind(cache)
+        if kind == "global":
+            probe = _ProbeKV()
+        elif kind == "sliding":
+            probe = _ProbeRotating(max_size=cache.max_size, keep=cache.keep)
+        else:
+            probe = cache
+        if kind in ("global", "sliding"):
+            probe.setup_probe()
+        probes.append(probe)
+    attention.install()
+    error = None
+    try:
+        logits = model(mx.zeros((1, PROBE_TOKENS), mx.int32), cache=probes)
+        logits = model(mx.zeros((1, 1), mx.int32), cache=probes)
+        mx.eval(logits)
+    except Exception as exc:  # noqa: BLE001 (any failure is a refusal, said with the model's own error)
+        error = f"the probe forward pass failed ({type(exc).__name__}: {exc})"
+    blocks = getattr(model, "layers", None)
+    ropes = [_find_rope(b) for b in blocks] if blocks is not None and len(blocks) == len(native) else None
+    layers = []
+    for i, (cache, kind) in enumerate(zip(probes, kinds)):
+        if kind not in ("global", "sliding"):
+            continue
+        calls = cache.calls
+        refusal = error
+        if refusal is None and not calls:
+            refusal = ("it computes attention itself (the attention hook never ran: e.g. soft-capped "
+                       "logits, as Gemma 2), so a cache cannot attend over what it keeps")
+        elif refusal is None and not all(c["own_arrays"] for c in calls):
+            refusal = ("it attends over other arrays than the cache returned (e.g. MLA's latent keys "
+                       "expanded per head, StableLM's keys cast to float32), so a cache that packs or "
+                       "drops tokens cannot see what attention sees")
+        elif refusal is None and kind == "global" and not all(c["causal"] for c in calls):
+            refusal = ("its attention mask is not a plain causal mask (e.g. MLA's RoPE term added to "
+                       "it), which a cache that drops or packs tokens cannot honour")
+        first = calls[0] if calls else None
+        layers.append(AttentionLayer(
+            index=i, kind=kind, window=getattr(native[i], "max_size", None) if kind == "sliding" else None,
+            n_heads=first["queries"][1] if first else 0,
+            n_kv_heads=first["keys"][1] if first else 0,
+            head_dim=first["keys"][3] if first else 0,
+            value_dim=first["values"][3] if first else 0,
+            scale=first["scale"] if first else 0.0,
+            sinks=any(c["sinks"] for c in calls),
+            rope=ropes[i] if ropes else None,
+            refusal=refusal,
+        ))
+    dtype = next((c.fetched[0].dtype for c in probes if getattr(c, "fetched", None) is not None), mx.float32)
+    return ModelLayout(type(model).__module__.rsplit(".", 1)[-1] + "." + type(model).__name__,
+                       kinds, tuple(layers), dtype)
+
+
+def trial_error(model, key: str, make_caches) -> str | None:
+    """The error of a probe-sized forward pass (a 6-token prompt, one decode step) through the caches
+    `make_caches()` builds, or None when it runs; once per model and `key`. For caches whose
+    arrays the model itself handles (mlx-lm's QuantizedKVCache hands back tuples, and a model that
+    reads `values.dtype`, as Phi-2, fails on them)."""
+    trials = model.__dict__.setdefault("_kvcompress_trials", {}) if hasattr(model, "__dict__") else {}
+    if key not in trials:
+        try:
+            caches = make_caches()
+            mx.eval(model(mx.zeros((1, PROBE_TOKENS), mx.int32), cache=caches))
+            mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+            trials[key] = None
+        except Exception as exc:  # noqa: BLE001 (reported as the refusal's reason)
+            trials[key] = f"{type(exc).__name__}: {exc}"
+    return trials[key]
+
+
+def _find_rope(block) -> object | None:
+    """The RoPE module of a transformer block: the first submodule attribute named `rope`."""
+    for _, module in block.named_modules():
+        rope = getattr(module, "rope", None)
+        if isinstance(rope, nn.Module):
+            return rope
+    return None
+
+
+def positional_rope(rope) -> bool:
+    """Whether `rope` rotates by position alone (see POSITIONAL_ROPES)."""
+    return rope is not None and type(rope).__name__ in POSITIONAL_ROPES

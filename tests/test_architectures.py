@@ -1,0 +1,172 @@
+"""The architecture matrix: every method on a tiny random-weight model of each mlx-lm architecture
+(tests/arch_models.py) is right or refused up front.
+
+Each cell feeds the same 40-token prompt the way mlx-lm's generate does (all but the last token in
+one call, the last alone) and 8 greedy tokens, and compares with mlx-lm's own prompt cache
+(`make_prompt_cache`, the reference):
+- lossless settings (`full`; every eviction method with a budget above prompt + answer) give
+  exactly mlx-lm's tokens and the same log-probabilities;
+- KIVI at 8 bits stays within a few times mlx-lm's own 8-bit cache's error;
+- lossy settings (half budgets, 2-bit KIVI) run and give finite log-probabilities;
+- a cell that cannot be right raises ConfigError from `make_cache`, before any token is fed.
+"""
+
+from __future__ import annotations
+
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from arch_models import ARCHITECTURES, WINDOW, tiny_model
+from kvcompress import attention, make_cache
+from kvcompress.adapter import model_layout
+from kvcompress.errors import ConfigError
+from kvcompress.memory import live_kv_bytes
+
+PROMPT, ANSWER = 40, 8
+LOSSLESS_BUDGET = 64  # > PROMPT + ANSWER: nothing is ever evicted
+EVICTION = ("streaming", "h2o", "keyformer", "snapkv", "pyramidkv", "adakv", "tova", "knorm", "random")
+
+# Where a cell must refuse, and the reason make_cache's ConfigError gives (every other cell must run).
+ATTENTION_REFUSED = {  # no kvcompress cache can serve these models' attention layers
+    "gemma2": "computes attention itself",  # soft-capped logits: the hook never runs
+    "deepseek_v3": "other arrays than the cache returned",  # MLA: latent keys expanded per head
+    "stablelm": "other arrays than the cache returned",  # keys cast to float32 after the cache
+    "falcon_h1": "no global attention layer",  # attention and Mamba side by side in a CacheList
+}
+EVICTION_REFUSED = {"deepseek_v2": "values have 32 dims and its keys 48"}
+QUANTIZER_REFUSED = {"deepseek_v2": "divisor of the model's head_dim 48"}  # 48-dim keys, groups of 32
+
+
+def expected_refusal(name: str, method: str) -> str | None:
+    if method == "full":
+        return None
+    if name in ATTENTION_REFUSED:
+        return ATTENTION_REFUSED[name]
+    if method in EVICTION:
+        return EVICTION_REFUSED.get(name)
+    return QUANTIZER_REFUSED.get(name)
+
+
+def _decode(model, caches, prompt: list[int], steps: int = ANSWER):
+    """Greedy tokens and the log-probabilities [steps, V] that chose them."""
+    tokens, logprobs = [], []
+    logits = model(mx.array(prompt[:-1])[None], cache=caches)
+    mx.eval(logits)
+    token = prompt[-1]
+    for _ in range(steps):
+        logits = model(mx.array([[token]]), cache=caches)[0, -1].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits)
+        token = int(mx.argmax(lp).item())
+        tokens.append(token)
+        logprobs.append(np.array(lp))
+    return tokens, np.stack(logprobs)
+
+
+@pytest.fixture(scope="module")
+def models():
+    attention.install()
+    built = {}
+
+    def get(name):
+        if name not in built:
+            model = tiny_model(name)
+            rng = np.random.default_rng(0)
+            prompt = rng.integers(1, 500, PROMPT).tolist()
+            built[name] = (model, prompt, _decode(model, make_prompt_cache(model), prompt))
+        return built[name]
+
+    return get
+
+
+ARCHS = sorted(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_full_is_mlx_lms_own_cache(name, models):
+    model, prompt, (ref_tokens, ref_lp) = models(name)
+    caches = make_cache(model, "full")
+    assert [type(c) for c in caches] == [type(c) for c in make_prompt_cache(model)]
+    tokens, lp = _decode(model, caches, prompt)
+    assert tokens == ref_tokens
+    np.testing.assert_array_equal(lp, ref_lp)
+    # the baseline's bytes are what mlx-lm holds: a sliding layer its window, not the whole context
+    for layer in model_layout(model).attention:
+        if layer.kind == "sliding":
+            assert caches[layer.index].keys.shape[2] <= max(WINDOW, 256)
+            assert min(caches[layer.index].offset, WINDOW) == WINDOW
+
+
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("method", EVICTION)
+def test_eviction_above_the_prompt_is_lossless_or_refused(name, method, models):
+    model, prompt, (ref_tokens, ref_lp) = models(name)
+    reason = expected_refusal(name, method)
+    if reason:
+        with pytest.raises(ConfigError, match=reason):
+            make_cache(model, method, budget=LOSSLESS_BUDGET)
+        return
+    caches = make_cache(model, method, budget=LOSSLESS_BUDGET)
+    tokens, lp = _decode(model, caches, prompt)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(lp, ref_lp, atol=2e-4, rtol=0)
+    # the layers the method leaves to the model (windows, recurrent state) keep the model's caches
+    native = make_prompt_cache(model)
+    for layer in model_layout(model).attention:
+        if layer.kind != "global":
+            assert type(caches[layer.index]) is type(native[layer.index])
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_lossy_settings_run(name, models):
+    model, prompt, _ = models(name)
+    full_bytes = None
+    for method, params in (("h2o", {"budget": 0.5}), ("snapkv", {"budget": 0.5, "recent": 8}),
+                           ("pyramidkv", {"budget": 0.5, "recent": 8}), ("adakv", {"budget": 0.9}),  # window 32
+                           ("keyformer", {"budget": 24, "positions": "compact"}), ("streaming", {"budget": 24}),
+                           ("kivi", {"bits": 2, "group_size": 32, "residual": 32})):
+        if reason := expected_refusal(name, method):
+            with pytest.raises(ConfigError, match=reason):
+                make_cache(model, method, **params)
+            continue
+        try:
+            caches = make_cache(model, method, **params)
+        except ConfigError as error:  # only compact positions on a RoPE that is not positional
+            assert method == "keyformer" and "positions" in str(error), error
+            continue
+        tokens, lp = _decode(model, caches, prompt)
+        assert np.isfinite(lp).all() and len(tokens) == ANSWER, (method, params)
+        if method == "h2o":
+            full = make_cache(model, "full")
+            _decode(model, full, prompt)
+            full_bytes = live_kv_bytes(full)
+            assert live_kv_bytes(caches) < full_bytes
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_kivi_8bit_within_mlx_lms_8bit_error(name, models):
+    model, prompt, (ref_tokens, ref_lp) = models(name)
+    if reason := expected_refusal(name, "kivi"):
+        for method, params in (("kivi", {"bits": 8, "group_size": 32, "residual": 32}), ("mlx-quant", {"bits": 8})):
+            with pytest.raises(ConfigError, match=reason):
+                make_cache(model, method, **params)
+        return
+    _, kivi_lp = _decode(model, make_cache(model, "kivi", bits=8, group_size=32, residual=32), prompt)
+    kivi_err = float(np.abs(kivi_lp - ref_lp).max())
+    try:
+        mlx_quant = make_cache(model, "mlx-quant", bits=8, group_size=32)
+    except ConfigError as error:  # GPT-OSS's attention sinks, Phi-2 reading the tuples' dtype: the bound is absolute
+        assert (name, "sinks" in str(error) or "does not run on phi" in str(error)) in (("gpt_oss", True), ("phi", True)), error
+        assert kivi_err < 0.05
+        return
+    _, mlx_lp = _decode(model, mlx_quant, prompt)
+    mlx_err = float(np.abs(mlx_lp - ref_lp).max())
+    assert kivi_err <= max(4 * mlx_err, 1e-3), (kivi_err, mlx_err)
+
+
+def test_the_matrix_covers_the_issue_families():
+    families = {"llama", "qwen3", "gemma3_text", "ministral3", "mixtral", "gpt_oss", "phi3", "deepseek_v3",
+                "gemma2", "phi", "stablelm", "qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "internlm2"}
+    assert families <= set(ARCHITECTURES) and len(ARCHITECTURES) >= 25

@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                              "or a temporary folder with --quick)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # the scripts import the library of the checkout they are in, whatever is installed
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="kv-bench-") as scratch:

@@ -40,6 +40,7 @@ def test_every_step_names_a_script_that_exists(variant):
         assert (ROOT / script).is_file(), step
 
 
+@pytest.mark.slow  # the embedded model decodes a few tokens (matmul_gflops.py)
 def test_the_cpu_kernels_suite_runs_at_smoke_sizes():
     out = bench("kernels", "--quick", timeout=300)
     assert out.returncode == 0, out.stderr

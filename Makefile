@@ -44,5 +44,7 @@ report: setup
 test: $(VENV)/.installed-test
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
+# every CPU suite at smoke-run sizes (a few minutes on two cores); the documented tables: `python -m
+# benchmarks SUITE [--gpu]` without --quick (benchmarks/__main__.py)
 benchmarks: setup
-	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	$(PY) -m benchmarks quality e2e kernels memory workers --quick

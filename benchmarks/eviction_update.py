@@ -13,11 +13,12 @@ First, a small table answering: does MLX write into a buffer in place? A one-tok
 when the buffer's only reference is handed over, the same scatter while a second reference is
 alive, and a plain full copy (`a + 0`) for scale. The cache relies on the first kind.
 
-    .venv/bin/python benchmarks/eviction_update.py [method ...]
+    .venv/bin/python benchmarks/eviction_update.py [method ...] [--n-kept 512 2048 8192] [--rows 3 8 32]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -31,7 +32,6 @@ from timing import interleaved_median_ms  # benchmarks/timing.py (this script's 
 
 REP, D = 3, 64
 REPS = 7
-SIZES = [(n_kept, rows) for n_kept in (512, 2048, 8192) for rows in (3, 8, 32)]
 
 
 def steady_cache(cfg, rows, n_kept, rope):
@@ -88,7 +88,7 @@ def in_place_table(rows=32):
     print()
 
 
-def main(names):
+def main(names, n_kept_sizes=(512, 2048, 8192), row_counts=(3, 8, 32)):
     rope = nn.RoPE(D, base=100000.0)
     print(f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}, cores: {os.cpu_count()}")
     in_place_table()
@@ -96,7 +96,7 @@ def main(names):
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name in names:
         cfg = method_config(name, budget=1.0)
-        for n_kept, rows in SIZES:
+        for n_kept, rows in [(n, r) for n in n_kept_sizes for r in row_counts]:
             k = mx.random.normal((1, rows, 1, D))
             v = mx.random.normal((1, rows, 1, D))
             q = mx.random.normal((1, rows * REP, 1, D))
@@ -114,4 +114,9 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or sorted(n for n, c in REGISTRY.items() if issubclass(c, Eviction)))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("methods", nargs="*", default=sorted(n for n, c in REGISTRY.items() if issubclass(c, Eviction)))
+    parser.add_argument("--n-kept", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--rows", type=int, nargs="+", default=[3, 8, 32])
+    args = parser.parse_args()
+    main(args.methods, args.n_kept, args.rows)

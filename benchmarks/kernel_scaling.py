@@ -1,24 +1,21 @@
-"""Where the KIVI kernels' time goes on a GPU: time per call against size, beside MLX's own ops on
-the same bytes. A fixed cost per call shows as time that does not grow with the size; a bandwidth
-limit as time that grows with it.
+"""The KIVI kernels on a GPU against their yardsticks: quantize-and-pack against a copy of the same
+bytes, decode attention on codes against SDPA on the full cache (docs/gpus.md's tables).
 
-1. quantize-and-pack of [N, 4096, 128] fp16 for N = 32 and 256 (32 and 256 MiB), both layouts, 2 and
-   4 bits, against `x * 1` (a read and a write of the same bytes) at the same size.
+1. quantize-and-pack of [N, 4096, 128] fp16 for N = 32 and 256 (32 and 256 MiB), both layouts, 2, 4
+   and 8 bits, G 32, against `x * 1` (a read and a write of the same bytes) at the same size.
 2. fused decode attention (8 KV heads, 32 query heads, D 128, fp16, one decode row per query head)
    at 8k / 32k / 128k tokens, against `mx.fast.scaled_dot_product_attention` on the full cache, per
    layer; enough layers that their bytes are ~0.5 GiB or more (more than the GPU's L2 cache). Each
    layer's queries wait for the layer before's output (`chained`), as in a model: layers timed side
-   by side overlap on the GPU, and a launch that leaves SMs idle then looks cheap (stop 21: 16 steps a
-   warp timed 68 us a layer side by side, 150 chained).
-   `--old FILE` times a second copy of kivi_attention.py (an older kernel source) beside it.
+   by side overlap on the GPU, and a launch that leaves SMs idle then looks cheap (docs/learned.md,
+   "How to measure"). Paths: the scalar kernel, the tensor-core kernel, and the dispatch's default.
 
-Usage (a GPU with MLX CUDA): python benchmarks/kernel_scaling.py [quant] [attn] [--old FILE]
+Usage (a GPU with MLX CUDA): python benchmarks/kernel_scaling.py [quant] [attn] [--contexts 8192 ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -44,26 +41,15 @@ def quant_table() -> None:
         size = xs[0].nbytes
         copy_ms = median_eval_ms(lambda: [x * 1 for x in xs]) / count
         print(f"| {n} | {size >> 20} | x * 1 | - | {copy_ms:.3f} | {2 * size / copy_ms / 1e6:.0f} | 1.00 |")
-        for bits in (2, 4):
+        for bits in (2, 4, 8):
             moved = size + size * bits // 16 + 2 * 2 * (size // 2 // 32)
             for layout, per_channel in (("per token", False), ("per channel", True)):
                 ms = median_eval_ms(lambda: [quantize_pack_kernel(x, bits, 32, per_channel, "cuda") for x in xs]) / count
                 print(f"| {n} | {size >> 20} | kivi {layout} | {bits} | {ms:.3f} | {moved / ms / 1e6:.0f} | {ms / copy_ms:.2f} |")
 
 
-def load_old(path: str):
-    spec = importlib.util.spec_from_file_location("kvcompress.kernels.kivi_attention_old", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], contexts: list[int],
-               steps: list[int], prefetch: list[int]) -> None:
+def attn_table(contexts: list[int]) -> None:
     print("\n## decode attention per layer: 8 KV heads, 32 query heads, D 128, fp16, KIVI G 32, residual 128")
-    kernels = {"fused": kivi_attention}
-    for path in old_paths:
-        kernels[f"fused ({Path(path).stem})"] = load_old(path)
     print("| tokens | cache | path | layers | us/layer | MiB/layer | GB/s | x full | rel. L2 vs qmm reference |")
     print("|---|---|---|---|---|---|---|---|---|")
     scale = 128**-0.5
@@ -89,26 +75,13 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
                 mx.eval(views[-1])
                 live += cache.live_kv_bytes
             per_layer = live / layers
-            # the scalar kernel (kivi_attention.py's own), then the dispatch's default (KIVI-2: tensor cores)
-            # (older copies given by --old may predate the tensor-core switch: called with their defaults)
-            paths = [(f"{name}, scalar kernel" if module is kivi_attention else name, module, None, module.THREADS,
-                      dict(tensor_cores=False) if module is kivi_attention else {}) for name, module in kernels.items()]
-            paths += [("fused, default", kivi_attention, None, kivi_attention.THREADS, {})]
-            paths += [(f"fused, {t} tiles/block", kivi_attention, t, kivi_attention.THREADS, {}) for t in tiles]
-            paths += [(f"fused, {n} threads/block", kivi_attention, None, n, {}) for n in threads]
-            paths += [(f"tensor cores, {n} steps/warp{', one launch' if one else ''}", kivi_attention, None,
-                       kivi_attention.THREADS, dict(tensor_cores=True, steps_per_warp=n, one_launch=one))
-                      for n in steps for one in (False, True)]
-            paths += [(f"tensor cores, L2 prefetch {pf} B", kivi_attention, None, kivi_attention.THREADS,
-                       dict(tensor_cores=True, l2_prefetch=pf)) for pf in prefetch]
-            for path, module, tpb, n_threads, extra in paths:
-                default_threads, module.THREADS = module.THREADS, n_threads
-                us = 1e3 * median_eval_ms(lambda: chained(lambda i, q: module.decode_attention_fused(
-                    q, *views[i], scale, False, bits, bits, 32, "cuda", tiles_per_block=tpb, **extra), qs)) / layers
-                got = module.decode_attention_fused(qs[0], *views[0], scale, False, bits, bits, 32, "cuda",
-                                                    tiles_per_block=tpb, **extra)
-                module.THREADS = default_threads
-                want = kivi_attention.decode_attention_reference(qs[0], *views[0], scale, None, bits, bits, 32)
+            # KIVI-2 takes the tensor cores from TENSOR_CORE_MIN_TOKENS on ("default"); KIVI-4 the scalar kernel
+            paths = [("scalar kernel", dict(tensor_cores=False)), ("tensor cores", dict(tensor_cores=True)), ("default", {})]
+            want = kivi_attention.decode_attention_reference(qs[0], *views[0], scale, None, bits, bits, 32)
+            for path, extra in paths:
+                us = 1e3 * median_eval_ms(lambda: chained(lambda i, q: kivi_attention.decode_attention_fused(
+                    q, *views[i], scale, False, bits, bits, 32, "cuda", **extra), qs)) / layers
+                got = kivi_attention.decode_attention_fused(qs[0], *views[0], scale, False, bits, bits, 32, "cuda", **extra)
                 err = (mx.linalg.norm((got - want).astype(mx.float32)) / mx.linalg.norm(want.astype(mx.float32))).item()
                 print(f"| {T} | KIVI-{bits} | {path} | {layers} | {us:.1f} | {per_layer / 2**20:.1f} | "
                       f"{per_layer / us / 1e3:.0f} | {full_us / us:.2f} | {err:.1e} |")
@@ -117,14 +90,7 @@ def attn_table(old_paths: list[str], tiles: list[int], threads: list[int], conte
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", help="quant and/or attn (default: both)")
-    parser.add_argument("--old", nargs="*", default=[], help="older kivi_attention.py files to time beside the current kernel")
-    parser.add_argument("--tiles", type=int, nargs="*", default=[], help="also time these tiles per block")
-    parser.add_argument("--threads", type=int, nargs="*", default=[], help="also time these threads per block")
     parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 131072])
-    parser.add_argument("--steps", type=int, nargs="*", default=[],
-                        help="also time the tensor-core kernel (kivi_attention_mma.py) at these steps per warp")
-    parser.add_argument("--prefetch", type=int, nargs="*", default=[],
-                        help="also time the tensor-core kernel with these L2 prefetch sizes (0, 64, 128, 256 bytes)")
     args = parser.parse_args()
     print(f"device {mx.default_device()}, MLX {mx.__version__}")
     parts = args.parts or ["quant", "attn"]
@@ -135,7 +101,7 @@ def main() -> None:
     if "quant" in parts:
         quant_table()
     if "attn" in parts:
-        attn_table(args.old, args.tiles, args.threads, args.contexts, args.steps, args.prefetch)
+        attn_table(args.contexts)
 
 
 if __name__ == "__main__":

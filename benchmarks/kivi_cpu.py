@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import sys
@@ -157,10 +158,18 @@ def decode_table(contexts=(2048, 4096, 8192), steps=12, warmup=2):
 
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
-    parts = sys.argv[1:] or ["memory", "attention", "decode"]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", help="memory, attention and/or decode (default: all three)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192], help="attention and decode")
+    parser.add_argument("--repeat", type=int, default=40, help="attention calls timed per cell")
+    parser.add_argument("--steps", type=int, default=12, help="decode steps timed per cell")
+    args = parser.parse_args()
+    parts = args.parts or ["memory", "attention", "decode"]
+    if set(parts) - {"memory", "attention", "decode"}:
+        parser.error(f"parts: expected memory, attention and/or decode, got {parts}")
     if "memory" in parts:
         memory_table()
     if "attention" in parts:
-        attention_table()
+        attention_table(args.contexts, args.repeat)
     if "decode" in parts:
-        decode_table()
+        decode_table(args.contexts, args.steps)

@@ -1,8 +1,8 @@
 """How much of a decode step the full cache's attention is: the most any KV compression can save.
 
-A random-weight mlx-lm Llama of the Llama-3.1-8B shape (kivi_e2e.py's model), mlx-lm's own KVCache
+A random-weight mlx-lm Llama of the Llama-3.1-8B shape (e2e.py's model), mlx-lm's own KVCache
 filled with random keys and values (no prefill: the cache's state is set directly), decoded
-synchronously as kivi_e2e.py times it (median ms a step; the two contexts take turns over rounds). For each batch size:
+synchronously as e2e.py times it (median ms a step; the two contexts take turns over rounds). For each batch size:
 
 - the step at a tiny context (16 tokens): everything but attention over a long cache (weights,
   norms, RoPE, the host's graph building);
@@ -24,12 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kvcompress  # noqa: E402,F401  (before mlx: on Linux it loads OpenBLAS)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from kivi_e2e import decode_sync, llama8b_shaped  # noqa: E402
+from e2e import decode_sync, llama8b_shaped  # noqa: E402
 
 def filled_caches(args, batch: int, tokens: int) -> list[KVCache]:
     """One mlx-lm KVCache a layer holding `tokens` random keys and values (args: the model's ModelArgs)."""

@@ -214,7 +214,7 @@ def release_buffers() -> None:
     """Drop MLX's cached buffers after a prompt's transients (as mlx_lm.generate after prefill chunks).
     On CUDA a long prefill can leave the allocator releasing its cache, with synchronizing frees, on
     every allocation that misses it, so every decode step after it pays them (H200, KIVI-2 at 128k
-    tokens: 21 ms a step, 16 after one clear; benchmarks/KIVI_GPU_NOTES.md, stop 25)."""
+    tokens: 21 ms a step, 16 after one clear; docs/learned.md)."""
     mx.clear_cache()
 
 

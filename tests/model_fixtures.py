@@ -1,6 +1,6 @@
 """Model fixtures that need nothing but MLX and mlx-lm: conftest.py imports them, and a GPU machine
 without the project installed loads them alone (`pytest --noconftest -p model_fixtures`, as
-benchmarks/kivi_gpu_check.sh does). Also `TwinCaches`, for tests that compare two paths of a cache."""
+scripts/gpu_tests.sh does). Also `TwinCaches`, for tests that compare two paths of a cache."""
 
 import numpy as np
 import pytest

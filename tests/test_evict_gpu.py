@@ -1,6 +1,6 @@
 """The fused decode-step eviction kernel (kvcompress/kernels/evict.py) on a GPU: bit-exact against
 the MLX reference, chosen by the dispatch after its self-test, and the fallback when its source is
-broken. Skipped on CPU; run on the H200 with benchmarks/kivi_gpu_check.sh tests."""
+broken. Skipped on CPU; run on the H200 with scripts/gpu_tests.sh."""
 
 import warnings
 

@@ -1,7 +1,7 @@
 """KIVI decode attention on codes (kvcompress/kernels/kivi_attention.py): the MLX reference against
 an independent dequantize-then-attend, the dispatch on CPU, and on a GPU the fused kernel against the
 reference over bits x head_dim x rows x masks x dtypes, plus the fallback when the kernel source is
-broken. GPU cases skip on CPU; run them on the H200 with benchmarks/kivi_gpu_check.sh."""
+broken. GPU cases skip on CPU; run them on the H200 with scripts/gpu_tests.sh."""
 
 import kvcompress  # noqa: F401  (BLAS preload before mlx)
 

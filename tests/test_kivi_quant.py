@@ -1,7 +1,7 @@
 """KIVI quantize-and-pack (kvcompress/kernels/kivi_quant.py): semantics of the MLX reference, MLX
 layout compatibility, and the GPU kernels bit-exact against the reference where a GPU exists.
 
-The CUDA kernel's exactness was also run on an H200 by benchmarks/kivi_gpu.py (table 1)."""
+On an H200: scripts/gpu_tests.sh."""
 
 import kvcompress  # noqa: F401  (BLAS preload before mlx)
 
@@ -137,7 +137,7 @@ GPU_CASES = {
 }
 
 
-@pytest.mark.skipif(gpu_backend() is None, reason="needs a CUDA or Metal GPU (run on the H200: benchmarks/kivi_gpu_check.sh)")
+@pytest.mark.skipif(gpu_backend() is None, reason="needs a CUDA or Metal GPU (run on the H200: scripts/gpu_tests.sh)")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_gpu_kernel_bit_exact(dtype):
     for i, (bits, G, per_channel) in enumerate(GPU_CASES[dtype]):

@@ -69,7 +69,7 @@ def test_prefill_records_exactly_the_prompt_queries_for_methods_that_score_with_
 
 def test_prefill_and_compression_leave_no_cached_buffers_behind(embedded):
     # as mlx_lm.generate: on CUDA a long prefill's cached buffers left MLX's allocator freeing on every
-    # later miss, synchronizing the device in each decode step (benchmarks/KIVI_GPU_NOTES.md, stop 25).
+    # later miss, synchronizing the device in each decode step (docs/learned.md, "MLX's allocator after a long prefill").
     # Without the release MLX held ~33 MB of buffers after each of the two here (401 tokens); with it,
     # only what the functions' locals free on return (1.6 KB and 3 MB)
     import mlx.core as mx

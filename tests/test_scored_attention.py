@@ -1,7 +1,7 @@
 """The scoring methods' one-pass decode step (kvcompress/kernels/scored_attention.py and
 EvictionCache._scored_step): on a CPU the step through the kernels' MLX reference against the
 cache's plain path, and on a GPU the fused kernels against the reference (skipped on CPU; run on
-the H200 with benchmarks/kivi_gpu_check.sh tests)."""
+the H200 with scripts/gpu_tests.sh)."""
 
 import os
 import warnings

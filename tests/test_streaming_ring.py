@@ -3,8 +3,7 @@ unpadded cache evicts the oldest non-sink token, whose slot the host tracks as a
 test runs the ring beside the kernel path (`ring_order = False`: `evict_slot` and index-array
 scatters) and asserts that everything observable is bit-identical, step by step."""
 
-import sys
-from pathlib import Path
+import tempfile
 
 import kvcompress
 import mlx.core as mx
@@ -17,8 +16,6 @@ from kvcompress.methods import REGISTRY, method_config
 from kvcompress.methods.eviction import Eviction, EvictionCache
 from model_fixtures import TwinCaches
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from host_graph import op_count  # noqa: E402
 
 BASE = 20000.0
 
@@ -127,6 +124,13 @@ def test_ring_writes_every_buffer_in_place():
         buffers = (c._keys, c._values, c._positions, c._scores)
         addresses.append([np.asarray(a).__array_interface__["data"][0] for a in buffers])
     assert all(a == addresses[1] for a in addresses[1:])
+
+
+def op_count(arrays: list[mx.array]) -> int:
+    """MLX operations in the not yet evaluated graph behind `arrays` (nodes of `mx.export_to_dot`)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return f.read().count("shape=rectangle")
 
 
 def test_ring_step_builds_fewer_mlx_ops():

@@ -164,7 +164,7 @@ _constants: dict[tuple, mx.array] = {}
 def constant(values: tuple, dtype) -> mx.array:
     """A small kernel argument array, one per distinct value rather than one per call: a decode step
     launches each kernel once per layer with the same arguments, and an array the host has just
-    written costs a launch ~4 us more on the H200 (benchmarks/KIVI_GPU_NOTES.md, launch_cost.py)."""
+    written costs a launch ~4 us more on the H200 (docs/learned.md)."""
     key = (values, dtype)
     if key not in _constants:
         if len(_constants) > 4096:  # values that change every step (positions) come and go

@@ -573,7 +573,7 @@ def _params(scale: float) -> mx.array:
 
 
 # Tokens of codes from which 2-bit caches take the tensor-core kernel by default. Measured on the H200
-# with each layer waiting for the one before, as in a model (KIVI_GPU_NOTES.md, stop 21; us a layer,
+# with each layer waiting for the one before, as in a model (docs/learned.md; us a layer,
 # 8 KV heads x 4 rows, D 128): 8k / 16k / 32k / 128k tokens, this module's kernel 71.4 / 81.0 / 130.7 /
 # 301.9, tensor cores (4 steps a warp) 85.1 / 90.4 / 116.3 / 226.5. The switch lies between 16k and 32k
 # (the tensor-core kernel's share of those caches: 16256 and 32640 tokens, the values' residual below

@@ -5,7 +5,7 @@ Why: MLX's CPU `quantized_matmul` for KIVI's layouts (codes as the right operand
 keys grouped along tokens, values along channels) walks every code once per query row with scalar
 code, ~1.2 G codes/s on one core: at 4k tokens it takes 0.65 ms per product per layer of the
 embedded model, against 0.17 + 0.09 ms for the full cache's two float32 BLAS products
-(benchmarks/KIVI_GPU_NOTES.md). Dequantizing first is slower still. This kernel unpacks each code
+(docs/learned.md). Dequantizing first is slower still. This kernel unpacks each code
 once (zero + scale * code, as `mx.dequantize`) for all the query rows, in loops the compiler
 vectorizes, and the residual's full-precision keys and values join the same softmax:
     score[m, t] = sum_d q[m, d] (z[d, g(t)] + s[d, g(t)] c[d, t])     (keys: groups along tokens)

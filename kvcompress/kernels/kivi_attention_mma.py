@@ -10,7 +10,7 @@ Status: the default for 2-bit keys and values on CUDA from 24k tokens of codes o
 (kivi_attention.tensor_cores_by_default), opt-in for 4-bit codes (`decode_attention_fused(...,
 tensor_cores=True)`). On the H200, layers waiting on each other as in a model, KIVI-2 at 32k tokens:
 116 us a layer against the scalar kernel's 131 and SDPA's 78 on the full cache; at 16k 90 against 81
-(benchmarks/KIVI_GPU_NOTES.md, stop 21). Nsight Compute, 32k, 4 steps a warp (stop 23): 45 us of GPU
+(docs/learned.md, "KIVI's kernels"). Nsight Compute, 32k, 4 steps a warp: 45 us of GPU
 time for the launch (with the residual tail's blocks: 264 blocks, 2 an SM, 175 registers), 1.73 warps a
 scheduler active, one instruction issued every 3.4 cycles a scheduler, DRAM at 12%. Twice the warps
 (`__launch_bounds__` for 4 blocks an SM, with 1 or 2 steps a warp for the blocks to fill them) issued
@@ -73,7 +73,7 @@ WARPS = 4
 THREADS = 32 * WARPS
 SHARED_LIMIT = 48 * 1024  # static shared memory a CUDA block may declare
 # Steps a warp takes by default, measured on the H200 with each layer waiting for the one before (as in
-# a model; KIVI_GPU_NOTES.md, stop 21): KIVI-2, 32k tokens x 8 KV heads, 2 / 4 / 8 / 16 steps a warp
+# a model; docs/learned.md): KIVI-2, 32k tokens x 8 KV heads, 2 / 4 / 8 / 16 steps a warp
 # 112.2 / 116.3 / 138.6 / 149.9 us a layer; 8k 95.6 / 85.1 / 93.6 / 126.5. (Stop 20 picked 16 from layers
 # timed side by side, which overlap on the GPU: a launch that leaves SMs idle looked cheap there.)
 STEPS_PER_WARP = 4

@@ -113,7 +113,7 @@ def _reference(x: mx.array, bits: int, group_size: int, per_channel: bool):
 # its rows of K^T 32 contiguous bytes of codes (2-bit) and its scales GS neighbours: with the
 # warp's lanes spread over 8 chunks of one group instead, it wrote 8 rows 8 bytes each (a quarter
 # of each 32-byte sector) and each scale alone (H200, 256 MiB, G 32: 46-53% of the copy's speed ->
-# 55-62% at 2/4 bits, benchmarks/KIVI_GPU_NOTES.md stop 22). With 2-bit codes two lanes hold the
+# 55-62% at 2/4 bits, docs/learned.md). With 2-bit codes two lanes hold the
 # halves of a word; per channel they swap one half for two channels at a time and both write, so
 # every lane of a store is busy (half the store instructions).
 # 3-bit codes straddle words (a lane's 24 bits are no whole piece of one): the reference runs them.

@@ -8,7 +8,7 @@ kernels from the counter hash of kvcompress/methods/counter_hash.py (`PromptNois
 kvcompress/methods/prompt_scores.py computes it in MLX tiles: a matmul writes each tile of logits,
 then a compiled chain, a softmax and a column sum each read and write it again; at 32k (8 KV heads
 x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200 and Keyformer's ~4.4x
-(benchmarks/EVICTION_GPU_NOTES.md): the tiles' memory traffic, not their arithmetic, bounds it.
+(docs/learned.md): the tiles' memory traffic, not their arithmetic, bounds it.
 Here two kernels keep every logit on the chip (FlashAttention's two-pass form, Dao et al. 2022, in
 FlashAttention-2's layout, Dao 2023). Their plain reference is `accumulated_attention_reference`
 (MLX ops over the whole [rows x n] logits at once), which the self-test and the tests compare with:
@@ -32,8 +32,8 @@ CUDA only (fp16 / bf16: what tensor cores take), head dims 16..128 in steps of 1
 rest run the MLX path. Also run on the CPU by tests/cuda_on_cpu.py (whose product and matrix loads
 follow PTX's fragment layouts lane by lane, float32 instantiations); scripts/cuda_compile_check.py
 compiles them for sm_90. Its dispatch self-test guards it (a compile error or a wrong number there:
-the MLX path runs). Measured on the H200 (benchmarks/EVICTION_GPU_NOTES.md, stop 17): one layer at
-32k, 8 KV heads x 4, D 128, fp16, the two passes 17.6 + 17.8 ms for H2O (stop 15's wmma kernels,
+the MLX path runs). Measured on the H200 (docs/learned.md, 2026-12-01): one layer at
+32k, 8 KV heads x 4, D 128, fp16, the two passes 17.6 + 17.8 ms for H2O (the earlier wmma kernels,
 whose logits went through shared memory: 25.9 + 37.6; the MLX tiles: 131; SDPA's causal attention
 over the same prompt: 14) and 36.6 + 37.4 ms with Keyformer's noise (47.8 + 52.5). The passes issue
 an instruction in ~55% of cycles at 4 blocks (16 warps) an SM, bound by registers (127-150 a thread).

@@ -4,7 +4,7 @@ over the keys and values. For the eviction methods whose scores are attention (H
 A scoring eviction step needs, per KV row r (a (batch, KV head) pair) with G query heads and n kept
 slots, the attention output and the probabilities softmax(q_g . k_j * scale) of every key. With MLX
 ops that is SDPA for the output plus a second pass for the scores (logits matmul, softmax, a column
-sum): the keys are read twice and ~8 kernels run per layer (benchmarks/EVICTION_GPU_NOTES.md: 137 us
+sum): the keys are read twice and ~8 kernels run per layer (docs/learned.md: 137 us
 per layer at 16k slots on the H200 against SDPA's 41). Here:
 
 1. `attend` (flash-decoding, Dao et al. 2023): the slots are cut into `nb` chunks, one thread block
@@ -50,7 +50,7 @@ they are, [R, allocated, D] with the slots in use first: no slice, no copy. floa
 exp via exp2 of (l - M) * log2(e). Not bit-identical to the MLX reference (other summation order):
 within 1e-5 relative L2 for float32 (tests/test_scored_attention.py, on a GPU).
 
-Speed on the H200 (8 rows x 4 heads, D 128, fp16, 16385 slots; benchmarks/EVICTION_GPU_NOTES.md):
+Speed on the H200 (8 rows x 4 heads, D 128, fp16, 16385 slots; docs/learned.md):
 attend + finish 68-84 us per layer against cuDNN's SDPA alone 48-59 us, and against 128-153 us for
 SDPA plus the MLX scoring ops it replaces (with the noise: 75-89; choosing the slot: 78-82). Nsight Compute: the attend kernel is latency-bound (12 warps per SM,
 132 registers a thread; ~57% of issue cycles wait on global loads; DRAM at ~19% of peak). Tried

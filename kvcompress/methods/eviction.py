@@ -86,7 +86,7 @@ GROW_STEP = 256  # slots a "grow" cache allocates at a time while decoding
 # Decoding on MLX's CUDA back-end, the key and value buffers hold a multiple of KV_ALIGN slots, and
 # attention reads the slots in use as a slice of them: MLX's CUDA SDPA runs a one-query step through
 # cuDNN only for such a slice (mlx-lm's KVCache allocates in 256-token steps), else through its own
-# kernel, measured 2.7x slower on the H200 at 16k slots (benchmarks/EVICTION_GPU_NOTES.md). Spare
+# kernel, measured 2.7x slower on the H200 at 16k slots (docs/learned.md). Spare
 # slots are not counted as held (`tokens_kept`, `live_kv_bytes`), as mlx-lm's allocation steps are not.
 KV_ALIGN = 256
 
@@ -315,7 +315,7 @@ class EvictionCache(CompressedCache):
             positions, scores = self.position, float(self.position)
         else:
             # an arange, not a host-made constant shared by the layers: that was one launch fewer per
-            # layer but slower pipelined on the H200 (benchmarks/EVICTION_GPU_NOTES.md, stop 16)
+            # layer but slower pipelined on the H200 (docs/learned.md, "Tried and not kept")
             positions = mx.broadcast_to(mx.arange(self.position, self.position + S, dtype=mx.int32), (R, S))
             if self.prompt_len is not None and self.config.decode == "grow":
                 scores = None  # appended, never evicted
@@ -387,7 +387,7 @@ class EvictionCache(CompressedCache):
             sink = mx.broadcast_to(sink, (*logits.shape[:3], 1))  # [R, G, S, 1]
             probs = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)[..., :-1]
         if not masked and gpu:  # a shape the kernels do not cover: the output from SDPA (on the H200
-            # the probs @ values matmul below cost ~7x it, benchmarks/EVICTION_GPU_NOTES.md)
+            # the probs @ values matmul below cost ~7x it, docs/learned.md)
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, sinks=sinks)
             # the logits evaluated with the output: the still-lazy scores then hold them, not the
             # keys buffer they read, which the next token's write can then update in place
@@ -594,7 +594,7 @@ class EvictionCache(CompressedCache):
                 # positions buffer that this choice reads, so MLX copies that [R, n] int32 buffer
                 # (keys and values stay in place). Starting it here with mx.async_eval avoided the
                 # copy but cost ~0.2 ms of host time per layer on the H200, up to 2x a step
-                # (benchmarks/evict_decode_gpu.py: "async_eval per layer")
+                # (docs/learned.md, "Eviction kernels")
                 self.free = evict_slot(evict_by, self.positions, self.config.n_sink, self._recent_start())
                 self._zero_free_score()
                 return

@@ -18,7 +18,8 @@ out of the timings; `--prefill-rounds` timed prefills per cache, taking turns as
 decode rounds do, x full per round), peak memory (the weights plus this cache's prefill) and which
 kernel paths ran.
 
-Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/kivi_e2e.py --contexts 8192 32768`.
+Run on the device: `source /tmp/mlx-cuda-env.sh && python3 benchmarks/e2e.py --contexts 8192 32768`
+(`python -m benchmarks e2e --gpu` runs the documented tables; `--tiny`: a small Llama, a CPU smoke run).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from mlx_lm.models import llama  # noqa: E402
 
 from kvcompress.kernels import dispatch  # noqa: E402
 from kvcompress.memory import live_kv_bytes  # noqa: E402
-from host_graph import classes_at, rebuilt  # noqa: E402
 
 CACHES = {
     "full": ("full", {}),
@@ -75,9 +75,8 @@ def llama8b_shaped(layers: int, tiny: bool = False):
     return model
 
 
-def prefill(model, caches, prompt, chunk=2048, clear_buffers=True) -> tuple[mx.array, float]:
-    """prompt: token ids [T] or [B, T]; returns (logits of the last position [B, 1, vocab], seconds).
-    clear_buffers=False keeps MLX's buffer cache between chunks (allocator_after_prefill.py's control)."""
+def prefill(model, caches, prompt, chunk=2048) -> tuple[mx.array, float]:
+    """prompt: token ids [T] or [B, T]; returns (logits of the last position [B, 1, vocab], seconds)."""
     prompt = mx.array(prompt)
     prompt = prompt[None] if prompt.ndim == 1 else prompt  # [B, T]
     T = prompt.shape[1]
@@ -88,9 +87,8 @@ def prefill(model, caches, prompt, chunk=2048, clear_buffers=True) -> tuple[mx.a
         mx.eval([c.state for c in caches])
         # as mlx_lm.generate after each chunk: without it, MLX's CUDA allocator can be left releasing
         # its buffer cache on every cache miss, with synchronizing frees, for as long as the process runs
-        # (KIVI_GPU_NOTES.md, stop 25: KIVI-2 at 128k 21 ms a step, 16 after one clear_cache)
-        if clear_buffers:
-            mx.clear_cache()
+        # (docs/learned.md, "MLX's allocator after a long prefill")
+        mx.clear_cache()
     logits = model(prompt[:, -1:], cache=caches)
     mx.eval(logits)
     mx.synchronize()
@@ -136,20 +134,15 @@ def decode_pipelined(model, caches, token, steps):
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def make_caches(model, method, params, classes=None):
-    caches = kvcompress.make_cache(model, method, **params)
-    return caches if classes is None or method == "full" else [rebuilt(c, classes) for c in caches]
-
-
-def prepare(model, label, method, params, T, warmup, classes=None, batch=1) -> dict:
+def prepare(model, label, method, params, T, warmup, batch=1) -> dict:
     """One cache prefilled with `batch` T-token prompts and decoded `warmup` steps, kept for the rounds."""
     # a throw-away run of this cache first: kernels compile and self-test outside the timings
-    warm = make_caches(model, method, params, classes)
+    warm = kvcompress.make_cache(model, method, **params)
     logits, _ = prefill(model, warm, list(range(2100)))
     decode_sync(model, warm, greedy(logits), 2, 0)
     del warm, logits
     gc.collect()
-    caches = make_caches(model, method, params, classes)
+    caches = kvcompress.make_cache(model, method, **params)
     prompt = prompts(model, batch, T)
     dispatch.reset_paths()
     resident = mx.get_active_memory()  # the weights and the caches prepared before this one
@@ -161,7 +154,7 @@ def prepare(model, label, method, params, T, warmup, classes=None, batch=1) -> d
     paths = ",".join(f"{k.split('/')[0]}={v}" for k, v in dispatch.paths_used().items()) or "-"
     return dict(label=label, T=T, batch=batch, caches=caches, token=token, kv_mib=kv_mib, prefill_s=[prefill_s],
                 peak_gib=peak / 2**30, paths=paths, ms=[], build_ms=[], pipelined_ms=[],
-                remake=lambda: make_caches(model, method, params, classes))
+                remake=lambda: kvcompress.make_cache(model, method, **params))
 
 
 def prompts(model, batch: int, T: int) -> mx.array:
@@ -214,15 +207,12 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a small random Llama instead (a smoke run on a CPU)")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), help=f"labels from {list(CACHES)}")
     parser.add_argument("--skip", nargs="*", default=[], help="label@context pairs to skip, e.g. 'h2o budget=0.5@32768'")
-    parser.add_argument("--against", metavar="REV", help="also run every compressed cache with its class as git "
-                        "revision REV had it (host_graph.py's classes_at), in the same process: before/after ratios")
     args = parser.parse_args()
     if "full" not in args.caches:
         parser.error("--caches must include full (every ratio is against it)")
     for flag, value in (("--batch", args.batch), ("--prefill-rounds", args.prefill_rounds), ("--rounds", args.rounds)):
         if value < 1:
             parser.error(f"{flag} must be an integer >= 1, got {value}")
-    classes = classes_at(args.against) if args.against else None
     shape = "a tiny Llama" if args.tiny else "Llama-3.1-8B shape"
     print("mlx", mx.__version__, mx.default_device(), f"{args.layers} layers, {shape}, fp16, batch {args.batch}",
           flush=True)
@@ -235,23 +225,18 @@ def main():
         # 2.77 s, then 1.27-1.57 s), and the cache timed first (the full cache) would pay for it
         prefill(model, kvcompress.make_cache(model, "full"), prompts(model, args.batch, T))
         gc.collect()
-        labels = [(label, None) for label in args.caches]
-        if classes:
-            labels += [(label, args.against) for label in args.caches if label != "full"]
         runs = []
-        for label, revision in labels:
+        for label in args.caches:
             if f"{label}@{T}" in args.skip:
                 continue
             method, params = CACHES[label]
             t = time.time()
             try:
-                run = prepare(model, label, method, params, T, args.warmup, classes if revision else None, args.batch)
+                run = prepare(model, label, method, params, T, args.warmup, args.batch)
             except Exception as exc:  # report and go on: one device call should bring back every row it can
                 print(f"FAILED {label} @ {T}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 gc.collect()
                 continue
-            if revision:
-                run["label"] = f"{label} @ {revision}"
             runs.append(run)
             print(f"{run['label']} @ {T}: {run['kv_mib']:.0f} MiB, prefill {run['prefill_s'][0]:.2f} s, "
                   f"peak {run['peak_gib']:.1f} GiB, {run['paths']} [{time.time() - t:.0f} s]", flush=True)

@@ -1,0 +1,52 @@
+"""The benchmark suites' entry point (benchmarks/__main__.py): it lists the suites, every step of every
+suite names a script that exists, and the smallest suite (the CPU kernels at smoke sizes) runs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITES = ["quality", "e2e", "kernels", "memory", "workers"]
+
+
+def bench(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_lists_the_suites():
+    out = bench("--help")
+    assert out.returncode == 0, out.stderr
+    for suite in SUITES:
+        assert suite in out.stdout
+
+
+def test_an_unknown_suite_is_refused_by_name():
+    out = bench("speed")
+    assert out.returncode == 2
+    assert "invalid choice: 'speed'" in out.stderr
+
+
+@pytest.mark.parametrize("variant", [[], ["--quick"], ["--gpu"]])
+def test_every_step_names_a_script_that_exists(variant):
+    out = bench(*SUITES, "--dry-run", *variant)
+    assert out.returncode == 0, out.stderr
+    steps = [line.split(": ", 1)[1].split() for line in out.stdout.splitlines() if line.startswith("== ")]
+    assert len(steps) >= len(SUITES)
+    for step in steps:
+        script = step[1] if step[0] in ("python", "bash") else step[0]
+        assert (ROOT / script).is_file(), step
+
+
+@pytest.mark.slow  # the embedded model decodes a few tokens (matmul_gflops.py)
+def test_the_cpu_kernels_suite_runs_at_smoke_sizes():
+    out = bench("kernels", "--quick", timeout=300)
+    assert out.returncode == 0, out.stderr
+    for script in ("matmul_gflops.py", "kivi_cpu.py", "eviction_update.py"):
+        assert f"== {script}: " in out.stdout
+    # the BLAS kvcompress loads against the mlx wheel's reference BLAS (~17x here)
+    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["256"])
+    assert float(row[-1].rstrip("x")) > 2, row
+    assert "| h2o | 256 | 3 |" in out.stdout and "| streaming | 256 | 3 |" in out.stdout

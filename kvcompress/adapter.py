@@ -192,6 +192,10 @@ def _probe(model) -> ModelLayout:
             probe.setup_probe()
         probes.append(probe)
     attention.install()
+    blocks = getattr(model, "layers", None)
+    # each block's RoPE module, watched during the probe: a layer that holds one and never calls it
+    # (Cohere 2's and EXAONE 4's global layers are NoPE) has no RoPE
+    spies = [_RopeSpy.watch(b) for b in blocks] if blocks is not None and len(blocks) == len(native) else None
     error = None
     try:
         logits = model(mx.zeros((1, PROBE_TOKENS), mx.int32), cache=probes)
@@ -199,8 +203,8 @@ def _probe(model) -> ModelLayout:
         mx.eval(logits)
     except Exception as exc:  # noqa: BLE001 (any failure is a refusal, said with the model's own error)
         error = f"the probe forward pass failed ({type(exc).__name__}: {exc})"
-    blocks = getattr(model, "layers", None)
-    ropes = [_find_rope(b) for b in blocks] if blocks is not None and len(blocks) == len(native) else None
+    finally:
+        ropes = [None if spy is None else spy.restore() for spy in spies] if spies is not None else None
     layers = []
     for i, (cache, kind) in enumerate(zip(probes, kinds)):
         if kind not in ("global", "sliding"):
@@ -251,13 +255,35 @@ def trial_error(model, key: str, make_caches) -> str | None:
     return trials[key]
 
 
-def _find_rope(block) -> object | None:
-    """The RoPE module of a transformer block: the first submodule attribute named `rope`."""
-    for _, module in block.named_modules():
-        rope = getattr(module, "rope", None)
-        if isinstance(rope, nn.Module):
-            return rope
-    return None
+class _RopeSpy(nn.Module):
+    """Stands in for a block's RoPE module during the probe and notes whether it is called."""
+
+    def __init__(self, owner: nn.Module, rope: nn.Module):
+        super().__init__()
+        # plain attributes, not child modules: the owner holds the spy, so no cycle in the module tree
+        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_rope", rope)
+        object.__setattr__(self, "_called", False)
+
+    @classmethod
+    def watch(cls, block) -> "_RopeSpy | None":
+        """Put a spy in place of the block's RoPE (the first submodule attribute named `rope`)."""
+        for _, module in block.named_modules():
+            rope = getattr(module, "rope", None)
+            if isinstance(rope, nn.Module):
+                spy = cls(module, rope)
+                module.rope = spy
+                return spy
+        return None
+
+    def __call__(self, x, *args, **kwargs):
+        object.__setattr__(self, "_called", True)
+        return self._rope(x, *args, **kwargs)
+
+    def restore(self) -> nn.Module | None:
+        """Put the RoPE module back; it, if the probe called it, else None."""
+        self._owner.rope = self._rope
+        return self._rope if self._called else None
 
 
 def positional_rope(rope) -> bool:

@@ -176,8 +176,8 @@ def prefill_parts(model, prompt: list[int], record_queries: bool, split: int | N
             mx.eval(context)
     if split == 0:
         context = ([None] * len(caches), None)
-    if record_queries:
-        for cache in caches:
+    for cache in caches:
+        if isinstance(cache, RecordingKVCache):
             cache.finish_prompt()
     release_buffers()
     return caches, logits[0, -1], time.perf_counter() - start, context

@@ -365,3 +365,21 @@ def tiny_model(name: str, seed: int = 0, dtype=mx.float32) -> nn.Module:
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+def save_tiny_model(name: str, path, tokenizer, seed: int = 0) -> dict:
+    """Write ARCHITECTURES[name] as a local mlx-lm model directory (config.json, model.safetensors and
+    `tokenizer`'s files), its vocabulary widened to the tokenizer's: what a user points `model:` at.
+    Returns the config written."""
+    from mlx_lm.utils import save_config, save_model
+
+    config = {**tiny_config(name), "vocab_size": len(tokenizer.get_vocab())}
+    ARCHITECTURES[f"{name}@saved"] = config  # tiny_model builds by name
+    try:
+        model = tiny_model(f"{name}@saved", seed)
+    finally:
+        del ARCHITECTURES[f"{name}@saved"]
+    save_model(path, model)
+    save_config(dict(config), config_path=f"{path}/config.json")
+    tokenizer.save_pretrained(str(path))
+    return config

@@ -21,9 +21,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from arch_models import ARCHITECTURES, WINDOW, tiny_model
 from kvcompress import attention, make_cache
-from kvcompress.adapter import model_layout
+from kvcompress.adapter import model_layout, positional_rope
 from kvcompress.errors import ConfigError
+from kvcompress.kernels.evict import rotate_pairs
 from kvcompress.memory import live_kv_bytes
+from kvcompress.methods.eviction import rope_rotations
 
 PROMPT, ANSWER = 40, 8
 LOSSLESS_BUDGET = 64  # > PROMPT + ANSWER: nothing is ever evicted
@@ -170,3 +172,66 @@ def test_the_matrix_covers_the_issue_families():
     families = {"llama", "qwen3", "gemma3_text", "ministral3", "mixtral", "gpt_oss", "phi3", "deepseek_v3",
                 "gemma2", "phi", "stablelm", "qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "internlm2"}
     assert families <= set(ARCHITECTURES) and len(ARCHITECTURES) >= 25
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3_rope", "qwen2_yarn", "ministral3", "phi3_longrope", "gpt_oss", "phi",
+                                  "gemma3_text"])
+def test_compact_positions_re_rotate_keys_exactly_with_the_models_rope(name, models):
+    """Compact positions move a key rotated at position p to slot i by rotating it back by p - i with
+    rotations read off the model's RoPE module: that must equal the module's own rotation at i, for
+    scaled RoPEs too (SuScaledRoPE and YaRN also scale the rotated part by a constant; before the
+    rotations were normalised that constant was applied again, an error of ~1 on keys of norm ~3)."""
+    model, _, _ = models(name)
+    layer = next(a for a in model_layout(model).attention if a.rope is not None)
+    assert positional_rope(layer.rope), type(layer.rope).__name__
+    D = layer.head_dim
+    x = mx.random.normal((1, 2, 64, D), key=mx.random.key(1))
+    rotated = layer.rope(x)  # positions 0..63
+    keep = mx.array(sorted(np.random.default_rng(0).choice(64, 20, replace=False).tolist()))
+    cos, sin = rope_rotations(layer.rope, D, 64)
+    back = keep - mx.arange(20)
+    moved = rotate_pairs(rotated[:, :, keep], cos[back], -sin[back], getattr(layer.rope, "traditional", False))
+    expected = layer.rope(x[:, :, keep])  # the same keys rotated at positions 0..19
+    assert float(mx.abs(moved - expected).max()) < 1e-4
+
+
+def test_a_layer_that_never_calls_its_rope_has_none():
+    """Cohere 2's global layer holds a RoPE module and does not apply it (NoPE): compact positions must
+    not re-rotate its keys, so the layer has no RoPE and compact positions are refused."""
+    model = tiny_model("cohere2")
+    layout = model_layout(model)
+    assert [a.rope is None for a in layout.attention] == [False, False, False, True]
+    with pytest.raises(ConfigError, match="positions"):
+        make_cache(model, "keyformer", budget=24, positions="compact")
+    assert type(model.layers[3].self_attn.rope).__name__ == "RoPE"  # the probe put the module back
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next", "gpt_oss"])
+def test_the_runner_on_windowed_recurrent_and_sink_models(name, embedded):
+    """The sweep's path (one shared full prefill, each method derived from it, both protocols) on a
+    windowed, a recurrent hybrid and a sinks model: `full` reproduces the reference decode exactly
+    (the layers the model keeps to itself are restored after the reference and copied per run, the
+    context part's under query_agnostic too), and the methods run."""
+    from kvcompress import load_dataset
+    from kvcompress.methods import method_config
+    from kvcompress.runner import RunContext, run_sample
+
+    _, tokenizer = embedded
+    vocab = len(tokenizer._tokenizer.get_vocab())
+    ARCHITECTURES[f"{name}@vocab"] = {**ARCHITECTURES[name], "vocab_size": vocab}
+    try:
+        model = tiny_model(f"{name}@vocab")
+    finally:
+        del ARCHITECTURES[f"{name}@vocab"]
+    params = {"context_tokens": 256, "num_samples": 1, "seed": 0}
+    sample = load_dataset("passkey", tokenizer=tokenizer, **params)[0]
+    methods = [method_config("full"), method_config("h2o", budget=0.5), method_config("kivi", bits=4)]
+    context = RunContext(name, "tiny", "passkey", params, 6)
+    records = run_sample(model, tokenizer, sample, methods, context, protocols=("query_aware", "query_agnostic"))
+    assert len(records) == 6 and all(r.run["status"] == "ok" for r in records), [r.run["error"] for r in records]
+    for record in records:
+        if record.method == "full":
+            assert all(s["kl"] == 0.0 and s["top1_agree"] for s in record.steps)
+            assert record.run["live_kv_bytes"] == record.run["full_kv_bytes"]
+        else:
+            assert record.run["live_kv_bytes"] < record.run["full_kv_bytes"]

@@ -329,3 +329,69 @@ def test_sweep_with_a_config_that_never_runs_ok_ends_failed_naming_it(prefect_se
         sweep(grid=grid, results=str(tmp_path))
     runs = read_table(tmp_path, "runs")
     assert sorted(r["status"] for r in runs) == ["error", "ok"]  # both recorded; the report ran first
+
+
+@pytest.fixture(scope="module")
+def user_model_grid(tmp_path_factory) -> Path:
+    """A user's own model: a random-weight Gemma 3 (3 sliding-window layers of 16 tokens, 1 global)
+    saved as a local mlx-lm directory, and a grid that names it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from arch_models import WINDOW, save_tiny_model
+
+    from kvcompress.model import load_tokenizer
+
+    root = tmp_path_factory.mktemp("user-model")
+    save_tiny_model("gemma3_text", root / "gemma3", load_tokenizer()._tokenizer)
+    grid = root / "user-model.yaml"
+    grid.write_text(f"""
+name: user-model
+model: {root / "gemma3"}
+decode_steps: 4
+datasets:
+  - name: passkey
+    context_tokens: [256]
+    num_samples: 1
+    seed: 0
+methods:
+  - name: full
+  - name: h2o
+    grid: {{budget: [0.5]}}
+  - name: kivi
+    grid: {{bits: [4]}}
+""")
+    assert WINDOW < 256
+    return grid
+
+
+def check_user_model_runs(results: Path) -> None:
+    """Every run ok; the full cache's bytes are what mlx-lm's own cache holds (a window on the
+    sliding layers), and the methods compress the global layer only."""
+    runs = {r["method"]: r for r in read_table(results, "runs")}
+    assert sorted(runs) == ["full", "h2o", "kivi"] and all(r["status"] == "ok" for r in runs.values()), runs
+    full = runs["full"]
+    per_token = 2 * 2 * 32 * 4  # keys and values, 2 KV heads of 32 dims, float32
+    held = full["prompt_tokens"] + full["decode_steps"] - 1  # the last reference token is never fed
+    assert full["full_kv_bytes"] == per_token * (1 * held + 3 * 16)  # 1 global layer, 3 windows of 16
+    assert full["live_kv_bytes"] == full["full_kv_bytes"]
+    # H2O: half the prompt on the global layer (it evicts down to it while decoding), with each
+    # token's score and position (float32, int32) per KV head; the windows as they were
+    h2o = runs["h2o"]
+    assert h2o["live_kv_bytes"] == (per_token + 2 * 8) * round(0.5 * h2o["prompt_tokens"]) + per_token * 3 * 16
+    assert runs["kivi"]["live_kv_bytes"] < full["live_kv_bytes"]
+    assert json.loads(full["config"])["model"].endswith("gemma3")
+
+
+def test_a_users_own_windowed_model_runs_through_the_cli_sweep(user_model_grid, tmp_path):
+    results = tmp_path / "results"
+    env = {**os.environ, "PREFECT_API_URL": "", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    cmd = [sys.executable, "-m", "kvcompress_flows.cli", "sweep", str(user_model_grid), "--results", str(results)]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    check_user_model_runs(results)
+
+
+def test_a_users_own_windowed_model_runs_through_the_deployment(deployed, user_model_grid, tmp_path):
+    results = tmp_path / "results"
+    out = prefect("deployment", "run", "sweep/default", "--param", f"grid={user_model_grid}",
+                  "--param", f"results={results}", "--watch", env=deployed)
+    assert "Completed" in out
+    check_user_model_runs(results)

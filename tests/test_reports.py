@@ -34,6 +34,7 @@ EXTRA_IN_S2 = ("kivi", None, 3.0, None, None, 0.1875, 0.05)  # present in sweep 
 FULL_SAMPLES = [f"x{i}" for i in range(5)]
 METHOD_SAMPLES = FULL_SAMPLES[:4]  # the full cache also ran x4: a ceiling must not count it
 STEPS = 4
+DEPTHS = [0.0, 0.31, 0.35, 0.97, 1.0]  # ruler samples' evidence_depth: 1.0 falls in the last tenth
 Z95 = 1.959963984540054
 
 
@@ -76,6 +77,7 @@ def build_fixture(root: str) -> tuple[list[dict], list[dict]]:
                     # evidence: every layer held all of it when the answer was right, half otherwise
                     kept = 1.0 if score >= 1 or method == "full" else 0.5
                     run["evidence_kept"] = kept
+                    run["evidence_depth"] = DEPTHS[sample_index] if dataset == "ruler" else None
                     evidence = [dict(run_id=run_id, layer=layer, stage=stage, kept_min=kept, kept_mean=kept,
                                      key_rel_err=0.0, value_rel_err=0.0)
                                 for stage in ("compressed", "final") for layer in range(2)]
@@ -212,6 +214,7 @@ def test_pareto_front_membership(fixture_results, con):
             fronts += beaten_by == 0
             dominated += beaten_by > 0
     assert fronts >= 2 * len(cells) and dominated >= len(cells)  # the fixture exercises both outcomes
+    assert {r["protocol"] for r in got} == {"query_aware"}  # runs without a protocol were query-aware
 
 
 def test_degradation_by_step(fixture_results, con):
@@ -231,6 +234,7 @@ def test_degradation_by_step(fixture_results, con):
     snap = {r["step"]: r["kl_mean"] for r in got if (r["sweep_id"], r["method"], r["budget"]) == ("s1", "snapkv", 0.25)}
     assert snap == {step: approx(0.08 * (step + 1) + 0.01 * 1.5) for step in range(STEPS)}
     assert all(r["kl_max"] < 99 for r in got)  # the failed run's steps are excluded
+    assert {r["protocol"] for r in got} == {"query_aware"}
 
 
 def test_speed_memory_percentiles(fixture_results, con):
@@ -292,6 +296,51 @@ def test_compare_sweeps_explicit_and_default(fixture_results, con):
         con.execute("RESET VARIABLE sweep_b")
     assert sorted(r["score_delta"] for r in swapped if r["score_delta"] is not None) == \
         sorted(-r["score_delta"] for r in default if r["score_delta"] is not None)
+
+
+def test_depth_report_bins_evidence_depth_by_context_length(fixture_results, con):
+    _, runs, _ = fixture_results
+    placed = [r for r in ok_runs(runs) if r["evidence_depth"] is not None]
+    expected = group(placed, lambda r: (r["sweep_id"], *config_key(r), r["dataset"], r["task"], r["context_tokens"],
+                                        min(math.floor(10 * r["evidence_depth"]), 9) / 10))
+    got = report_records(con, "depth")
+    assert len(got) == len(expected) and {r["dataset"] for r in got} == {"ruler"}  # longbench has no depth
+    for row in got:
+        cell = expected[(row["sweep_id"], *config_key(row), row["dataset"], row["task"], row["context_tokens"],
+                         row["depth_low"])]
+        p = mean(r["score"] for r in cell)
+        assert row["depth_high"] == pytest.approx(row["depth_low"] + 0.1)
+        assert (row["runs"], row["protocol"]) == (len(cell), "query_aware")
+        assert row["score_mean"] == approx(p)
+        assert (row["score_ci_low"], row["score_ci_high"]) == tuple(approx(v) for v in wilson(p, len(cell)))
+        fulls = [full_score(runs, r) for r in cell]
+        assert row["score_full_mean"] == approx(mean(fulls))
+        assert row["score_vs_full"] == approx(mean(r["score"] - f for r, f in zip(cell, fulls)))
+    # 0.31 and 0.35 share a tenth; 0.97 and 1.0 (x4 runs only under the full cache) share the last
+    snap = [r for r in got if (r["sweep_id"], r["method"], r["budget"]) == ("s1", "snapkv", 0.25)]
+    assert [(r["depth_low"], r["runs"]) for r in snap] == [(0.0, 1), (0.3, 2), (0.9, 1)]
+    full = [r for r in got if (r["sweep_id"], r["method"]) == ("s1", "full")]
+    assert [(r["depth_low"], r["runs"]) for r in full] == [(0.0, 1), (0.3, 2), (0.9, 2)]
+
+
+def test_depth_report_reads_results_written_before_evidence_depth(tmp_path):
+    """Older results have no evidence_depth column: the report falls back to the depth the sweep
+    pinned (dataset_params.depth) and leaves out runs with random depths."""
+    import pyarrow as pa
+
+    from kvcompress.results import RUNS_SCHEMA, write_table
+    from kvcompress_reports import connect, run_report
+    from tests.test_results import make_run
+
+    old_schema = pa.schema([f for f in RUNS_SCHEMA if f.name != "evidence_depth"])
+    root = str(tmp_path / "results")
+    for rid, pinned, score in (("a", 0.25, 1.0), ("b", 0.25, 0.0), ("c", None, 1.0)):
+        run = make_run(rid, "full", score, 1000, config=json.dumps({"dataset_params": {"depth": pinned}}))
+        write_table(root, "runs/sweep_id=old/method=full", rid,
+                    pa.Table.from_pylist([{k: v for k, v in run.items() if k in old_schema.names}], schema=old_schema))
+    columns, rows = run_report(connect(root), "depth")
+    (row,) = [dict(zip(columns, r)) for r in rows]
+    assert (row["depth_low"], row["depth_high"], row["runs"], row["score_mean"]) == (0.2, 0.3, 2, 0.5)
 
 
 def test_render_reports_prints_every_report(fixture_results):

@@ -272,7 +272,8 @@ function depth() {
     return {
       traces: [{
         type: "heatmap", x: lengths.map(String), y: tenths.map(d => `${d.toFixed(1)}-${(d + 0.1).toFixed(1)}`), z,
-        customdata, colorscale: [[0, "#d73027"], [0.5, "#fee08b"], [1, "#1a9850"]],  // red: lost, green: found zmin: unitRange ? 0 : undefined, zmax: unitRange ? 1 : undefined,
+        customdata, colorscale: [[0, "#d73027"], [0.5, "#fee08b"], [1, "#1a9850"]],  // red: lost, green: found
+        zmin: unitRange ? 0 : undefined, zmax: unitRange ? 1 : undefined,  // scores in [0, 1]: one scale for all
         texttemplate: "%{z:.2f}", colorbar: {title: {text: "score"}, thickness: 12},
         hovertemplate: "depth %{customdata[2]}, %{x} tokens<br>score %{z:.3f} (n=%{customdata[0]})"
           + "<br>full cache %{customdata[1]}<extra></extra>",

@@ -8,6 +8,8 @@ query_agnostic; "final": after the reference answer was decoded):
 - key_rel_err / value_rel_err: ||K_held - K|| / ||K|| over the evidence tokens held, against the
   full cache's keys/values (quantizers: their dequantization error; NaN when none is held).
 
+Per run, `depth`: where the evidence sits in the prompt (the report's depth x length heatmap).
+
 Caches say what they hold through two methods (kvcompress/methods/base.py): `kept_positions`
 (None: every position held) and `held_kv`; mlx-lm's own caches are read directly.
 """
@@ -39,6 +41,16 @@ def held(cache) -> tuple[mx.array | None, mx.array, mx.array]:
 
 def evidence_positions(spans: list[tuple[int, int]]) -> np.ndarray:
     return np.array(sorted({p for start, end in spans for p in range(start, end)}), dtype=np.int64)
+
+
+def depth(spans: list[tuple[int, int]], question_start: int) -> float | None:
+    """Where a sample's evidence sits: the first evidence token's position over the prompt tokens
+    before the question (0: the prompt's start, near 1: just before the question). NIAH's needle
+    depth, measured in the tokens the model saw (instruction included), so every dataset that
+    records evidence gets one; None when the sample records none."""
+    if not spans or question_start <= 0:
+        return None
+    return min(start for start, _ in spans) / question_start
 
 
 def layer_rows(caches: list, full_kv: list, spans: list[tuple[int, int]], stage: str) -> list[dict]:

@@ -60,6 +60,7 @@ RUNS_SCHEMA = pa.schema(
         ("decode_steps", pa.int64()),  # teacher-forced steps: the reference answer's tokens
         ("reference_cut", pa.bool_()),  # decode_steps stopped the reference before EOS / the budget
         ("evidence_kept", pa.float64()),  # evidence tokens held after the answer: mean over layers, KV heads
+        ("evidence_depth", pa.float64()),  # where the first evidence token sits in the context part, 0..1
         ("step_rows", pa.int64()),  # rows of this run in `steps` (resume checks the file holds them)
         ("prediction", pa.string()),
         ("config_label", pa.string()),  # method + non-default parameters: what reports group by

@@ -50,6 +50,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import attention, datasets
 from .adapter import native_cache
+from .evidence import depth as evidence_depth
 from .evidence import layer_rows as evidence_rows
 from .memory import budget_tokens, live_kv_bytes, tokens_kept
 from .methods.base import Method
@@ -500,6 +501,7 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         "full_kv_bytes": ref.full_kv_bytes,
         "decode_steps": ref.steps,
         "reference_cut": ref.cut,
+        "evidence_depth": evidence_depth(ref.evidence, ref.question_start),
         # reports group by config_label: the protocol is part of a config's identity
         "config_label": method.label() + ("" if protocol == "query_aware" else f" protocol={protocol}"),
         "config": json.dumps(config, sort_keys=True),

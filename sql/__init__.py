@@ -5,7 +5,7 @@ the Python that runs it and renders its answers.
   found through the package, so an installed copy works without a checkout);
 - `db`: the DuckDB connection with the views, the SQL runner, a report's rows;
 - `render`: terminal (rich), Markdown, CSV and JSON renderings and the one-screen summary;
-- `html_report`: one self-contained HTML file with plots;
+- `html_report` (+ `report.js`): one self-contained, interactive HTML file (plotly.js inlined);
 - `regression`: one sweep compared with the previous sweep of its grid.
 
 The library (`kvcompress`) never imports DuckDB; Prefect's thin tasks over this live in `tasks/`.

@@ -1,39 +1,92 @@
-"""One self-contained HTML file per sweep: every report as a table plus three PNG plots embedded as
-base64 (score vs compression ratio, KL and top-1 agreement vs decode step, the quality/memory Pareto
-front). No external file, script or font: it opens offline and can be mailed or attached as is."""
+"""One self-contained, interactive HTML file per sweep: plots drawn in the page by plotly.js (inlined
+once, so the file opens offline and can be mailed or attached as is) and every report as a table.
+
+The views, each filtered in the page by task, protocol and method (the URL hash holds the choice:
+`SWEEP.html#task=ruler/niah_single_2&protocol=query_aware&methods=snapkv,kivi`):
+- leaderboard: per task, each config's paired score difference vs the full cache (or its score)
+  against its compression ratio, with 95% CI bands; a line joins only the configs of one family
+  (same method and parameters, only the budget differs);
+- paired: each config's paired difference vs the full cache with its bootstrap CI, per task;
+- depth: score by evidence depth x context length (the needle test's grid), per config and task;
+- evidence kept vs score; KL and top-1 agreement vs decode step; the quality/memory Pareto front.
+
+The numbers are the SQL reports' own (`sweep_reports`); Python only joins the paired rows with the
+summary of the same cell (the method, the compression ratio, the Wilson interval) and embeds the
+rows as JSON for the page's script, `report.js`.
+"""
 
 from __future__ import annotations
 
-import base64
 import html
-import io
+import json
+import math
 import pathlib
+import re
 from datetime import datetime, timezone
+from importlib import resources
 
-import matplotlib
+from kvcompress.errors import check
 
-matplotlib.use("Agg")  # headless: no display on CI or in a flow worker
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from .db import DEFAULT_REPORTS, sweep_ids, sweep_reports
+from .render import format_cell
 
-from kvcompress.errors import check  # noqa: E402
-
-from .db import DEFAULT_REPORTS, sweep_ids, sweep_reports  # noqa: E402
-from .render import format_cell  # noqa: E402
-
-PANEL_INCHES = (4.6, 3.4)
+PLOT_REPORTS = ("depth",)  # read for the plots, shown as tables too, but not one of `--all`'s
+CELL = ("protocol", "dataset", "task", "context_tokens", "config_label")  # one row of summary and paired
+# d3's category10: a method keeps its colour in every view
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf"]
 STYLE = """
-body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 24px; color: #1b1b1b; }
-h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #ccc; }
+body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 0 24px 24px; color: #1b1b1b; }
+h1 { font-size: 22px; margin-top: 20px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #ccc; }
 table { border-collapse: collapse; font-size: 12px; margin: 8px 0 16px; }
 th, td { border: 1px solid #ddd; padding: 3px 6px; } th { background: #f0f3f7; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr:nth-child(even) td { background: #fafafa; }
-img { max-width: 100%; border: 1px solid #eee; margin: 6px 0; }
-.note { color: #555; font-size: 13px; }
+.note { color: #555; font-size: 13px; max-width: 1100px; }
 .scroll { overflow-x: auto; }
 td { white-space: nowrap; }
+.filters { position: sticky; top: 0; z-index: 10; background: #fff; padding: 10px 0; border-bottom: 1px solid #ccc;
+           display: flex; flex-wrap: wrap; gap: 8px 20px; align-items: center; font-size: 13px; }
+.filters select { font-size: 13px; }
+.filters .methods label { margin-right: 10px; white-space: nowrap; }
+.swatch { display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 2px; border-radius: 2px; }
+.panels { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 12px; }
+.panels.wide { grid-template-columns: 1fr; }
+.panel { border: 1px solid #eee; min-width: 0; }
+.panel h3 { font-size: 14px; font-weight: 600; margin: 6px 10px 0; }
+#errors { color: #b00020; white-space: pre-wrap; }
 """
+# First in the page, so it also catches what plotly.js or report.js throw: the error is shown on
+# the page (and a headless browser's dumped DOM carries it) instead of a silently empty plot.
+CATCH_ERRORS = """
+const errors = document.getElementById("errors");
+function reportError(text) { errors.hidden = false; errors.textContent += text + "\\n"; }
+window.addEventListener("error", e => reportError(`${e.message} (${e.filename}:${e.lineno})`));
+window.addEventListener("unhandledrejection", e => reportError(`unhandled rejection: ${e.reason}`));
+const consoleError = console.error;
+console.error = (...args) => { reportError(args.join(" ")); consoleError(...args); };
+"""
+SECTIONS = [  # (element id, title, note)
+    ("leaderboard", "Leaderboard: score vs compression ratio, paired with the full cache",
+     "Per task, each config's mean paired score difference from the full cache on the same samples "
+     "(y: 'score' for the score itself) against its compression ratio (full cache bytes / live bytes; log "
+     "scale); bands and bars are 95% CIs (paired bootstrap; Wilson for scores). A line joins the configs of "
+     "one family: same method and parameters, only the budget differs."),
+    ("paired", "Score difference vs the full cache, per config",
+     "Paired bootstrap 95% CI; red: resolved (the CI excludes 0 and, for 0/1 scores, McNemar p < 0.05)."),
+    ("depth", "Score by evidence depth and context length",
+     "The needle test's grid: where the first evidence token sits in the prompt before the question "
+     "(runs.evidence_depth, in tenths) by context length; one heatmap per config and task; hover for n and "
+     "the full cache's score on the same samples."),
+    ("evidence", "Evidence kept vs score",
+     "A config that loses the needle and fails sits bottom-left; one that keeps it and still fails, top-right "
+     "of its kept evidence but low. Hover for the config."),
+    ("degradation", "KL and top-1 agreement vs decode step",
+     "Over every task of the sweep (the task filter does not apply)."),
+    ("pareto", "Quality vs memory Pareto front",
+     "Per dataset and context length (every task of the dataset); outlined points are on the front, "
+     "which is computed over every config of the cell, whatever the filters show."),
+]
 
 
 def write_html(results: str | None, path: str, sweep_id: str | None = None, baseline: str | None = None) -> pathlib.Path:
@@ -41,37 +94,59 @@ def write_html(results: str | None, path: str, sweep_id: str | None = None, base
     sweeps = sweep_ids(results)
     sweep_id = sweep_id or sweeps[0]
     check(sweep_id in sweeps, "sweep_id", f"one of {sweeps}", sweep_id)
-    reports = sweep_reports(results, sweep_id, DEFAULT_REPORTS, baseline)
-    plots = [
-        ("Score difference vs the full cache (paired, 95% bootstrap CI)", paired_png(reports["paired"])),
-        ("Evidence kept vs score", evidence_png(reports["evidence"])),
-        ("Score vs compression ratio", score_vs_compression_png(reports["pareto"])),
-        ("KL and top-1 agreement vs decode step", degradation_png(reports["degradation"])),
-        ("Quality vs memory Pareto front", pareto_png(reports["pareto"])),
-    ]
+    reports = sweep_reports(results, sweep_id, DEFAULT_REPORTS + PLOT_REPORTS, baseline)
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>kvcompress report: {html.escape(sweep_id)}</title><style>{STYLE}</style></head><body>",
+        f"<title>kvcompress report: {html.escape(sweep_id)}</title><style>{STYLE}</style></head>",
+        '<body data-status="loading">',
+        f'<pre id="errors" hidden></pre><script>{CATCH_ERRORS}</script>',
         f"<h1>kvcompress report: sweep {html.escape(sweep_id)}</h1>",
         f'<p class="note">Generated {generated}. Scores carry 95% Wilson intervals (score_ci_low..'
         "score_ci_high) and the full cache's score on the same samples (score_full_mean). The paired "
         "report compares every config with the full cache (and a baseline) sample by sample: mean "
         "difference, paired bootstrap 95% CI, exact McNemar p for 0/1 scores, n; a CI that spans 0 "
-        "reads \"not distinguishable\".</p>",
+        "reads \"not distinguishable\". The filters below choose what every plot shows (the tables at "
+        "the end hold every row); the address keeps them, so a view can be linked.</p>",
+        '<div id="filters" class="filters"></div>',
     ]
-    for title, png in plots:
-        parts.append(f"<h2>{html.escape(title)}</h2>")
-        parts.append(f'<img alt="{html.escape(title)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">')
+    for section, title, note in SECTIONS:
+        wide = " wide" if section == "degradation" else ""
+        parts.append(f'<h2>{html.escape(title)}</h2><p class="note">{html.escape(note)}</p>'
+                     f'<div id="{section}" class="panels{wide}"></div>')
+    parts.append("<h2>Every report <span class='note'>(all rows of the sweep, not filtered)</span></h2>")
     for name, (columns, rows) in reports.items():
-        parts.append(f"<h2>{html.escape(name)} <span class='note'>({len(rows)} rows)</span></h2>")
+        parts.append(f"<h3>{html.escape(name)} <span class='note'>({len(rows)} rows)</span></h3>")
         parts.append(html_table(columns, rows))
-    parts.append("</body></html>")
+    parts += [
+        '<pre id="shown" hidden></pre>',
+        f'<script type="application/json" id="report-data">{json_text(page_data(reports))}</script>',
+        f"<script>{script_text(plotly_js())}</script>",
+        f"<script>{script_text(resources.files(__package__).joinpath('report.js').read_text())}</script>",
+        "</body></html>",
+    ]
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(parts), encoding="utf-8")
     return out
+
+
+def plotly_js() -> str:
+    """plotly.js, as the plotly package ships it (minified, no network at view time)."""
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def script_text(text: str) -> str:
+    """JavaScript safe inside <script>: a literal "</script" would end the element early."""
+    return re.sub(r"</(script)", r"<\\/\1", text, flags=re.IGNORECASE)
+
+
+def json_text(data) -> str:
+    """JSON safe inside <script>: every "<" escaped, so no "</script" or "<!--" in a label can end it."""
+    return json.dumps(data, allow_nan=False).replace("<", "\\u003c")
 
 
 def html_table(columns: list[str], rows: list[tuple]) -> str:
@@ -87,166 +162,39 @@ def html_table(columns: list[str], rows: list[tuple]) -> str:
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
+def config_family(config_label: str) -> str:
+    """The configs a leaderboard line may join: the label without its budget (`snapkv budget=0.25
+    window=8` -> `snapkv window=8`), so only budgets of one method and parameter set share a line."""
+    return re.sub(r" budget=\S+", "", config_label)
+
+
 def _records(report: tuple[list[str], list[tuple]]) -> list[dict]:
+    """Rows as JSON-ready dicts (NaN, which JSON lacks, as null)."""
     columns, rows = report
-    return [dict(zip(columns, r)) for r in rows]
+    return [{c: None if isinstance(v, float) and math.isnan(v) else v for c, v in zip(columns, row)} for row in rows]
 
 
-def _method_colors(records: list[dict]) -> dict[str, tuple]:
-    cmap = plt.get_cmap("tab10")
-    return {m: cmap(i % 10) for i, m in enumerate(sorted({r["method"] for r in records}))}
-
-
-def _panels(records: list[dict]):
-    """One figure with a panel per (dataset, context_tokens): yields (axes, title, records)."""
-    cells = sorted({(r["dataset"], r["context_tokens"]) for r in records})
-    columns = max(1, min(3, len(cells)))
-    rows = max(1, -(-len(cells) // columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows),
-                             squeeze=False)
-    for ax in axes.flat[len(cells):]:
-        ax.set_visible(False)
-    panels = [(ax, f"{d} @ {c} tokens", [r for r in records if (r["dataset"], r["context_tokens"]) == (d, c)])
-              for ax, (d, c) in zip(axes.flat, cells)]
-    if not cells:
-        axes[0, 0].text(0.5, 0.5, "no data", ha="center", va="center")
-    return fig, panels
-
-
-def _png(fig) -> bytes:
-    buffer = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=90)
-    plt.close(fig)
-    return buffer.getvalue()
-
-
-def score_vs_compression_png(pareto: tuple[list[str], list[tuple]]) -> bytes:
-    """Mean score vs compression ratio (1 / kv_ratio_to_full), one line per method, 95% Wilson
-    error bars, the full cache's score as a dashed ceiling."""
-    records = _records(pareto)
-    colors = _method_colors(records)
-    fig, panels = _panels(records)
-    for ax, title, cell in panels:
-        for method in sorted({r["method"] for r in cell}):
-            points = sorted(((1.0 / r["kv_ratio_to_full"], r) for r in cell
-                             if r["method"] == method and r["kv_ratio_to_full"]), key=lambda p: p[0])
-            xs = [x for x, _ in points]
-            ys = [r["score_mean"] for _, r in points]
-            low = [r["score_mean"] - r["score_ci_low"] if r["score_ci_low"] is not None else 0.0 for _, r in points]
-            high = [r["score_ci_high"] - r["score_mean"] if r["score_ci_high"] is not None else 0.0 for _, r in points]
-            ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, color=colors[method], label=method)
-            if method == "full" and ys:
-                ax.axhline(ys[0], color=colors[method], linestyle="--", linewidth=1)
-        ax.set_xscale("log", base=2)
-        ax.set(title=title, xlabel="compression ratio (full bytes / live bytes)", ylabel="score_mean")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return _png(fig)
-
-
-def degradation_png(degradation: tuple[list[str], list[tuple]]) -> bytes:
-    """kl_mean and top1_agree by decode step, one line per config."""
-    records = _records(degradation)
-    colors = _method_colors(records)
-    fig, (kl_ax, agree_ax) = plt.subplots(1, 2, figsize=(2 * PANEL_INCHES[0] + 1, PANEL_INCHES[1] + 0.6))
-    labels = sorted({r["config_label"] for r in records})
-    styles = ["-", "--", ":", "-."]
-    for i, label in enumerate(labels):
-        line = sorted(((r["step"], r) for r in records if r["config_label"] == label), key=lambda p: p[0])
-        method = line[0][1]["method"]
-        style = dict(color=colors[method], linestyle=styles[i % len(styles)], marker=".", label=label)
-        kl_ax.plot([s for s, _ in line], [r["kl_mean"] for _, r in line], **style)
-        agree_ax.plot([s for s, _ in line], [r["top1_agree"] for _, r in line], **style)
-    kl_ax.set(title="KL(full || method) by decode step", xlabel="decode step", ylabel="kl_mean (nats)")
-    agree_ax.set(title="top-1 agreement with the full cache", xlabel="decode step", ylabel="top1_agree",
-                 ylim=(-0.05, 1.05))
-    for ax in (kl_ax, agree_ax):
-        ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    agree_ax.legend(fontsize=7, loc="lower left")
-    return _png(fig)
-
-
-def pareto_png(pareto: tuple[list[str], list[tuple]]) -> bytes:
-    """Every config's mean score vs live KV bytes; the non-dominated ones joined as the front."""
-    records = _records(pareto)
-    colors = _method_colors(records)
-    fig, panels = _panels(records)
-    for ax, title, cell in panels:
-        for r in cell:
-            ax.scatter(r["live_kv_bytes"] / 2**20, r["score_mean"], color=colors[r["method"]],
-                       edgecolor="black" if r["on_front"] else "none", s=60 if r["on_front"] else 25,
-                       alpha=1.0 if r["on_front"] else 0.45, zorder=3)
-        front = sorted((r["live_kv_bytes"] / 2**20, r["score_mean"], r["config_label"]) for r in cell if r["on_front"])
-        ax.step([x for x, _, _ in front], [y for _, y, _ in front], where="post", color="black", linewidth=1,
-                label="Pareto front")
-        labels: dict[tuple, list[str]] = {}  # configs at the same point share one annotation
-        for x, y, label in front:
-            labels.setdefault((x, y), []).append(label)
-        for (x, y), names in labels.items():
-            ax.annotate(" / ".join(names), (x, y), fontsize=6, xytext=(3, -9), textcoords="offset points")
-        for method, color in colors.items():
-            if any(r["method"] == method for r in cell):
-                ax.scatter([], [], color=color, label=method)
-        ax.set(title=title, xlabel="live_kv_bytes (MiB)", ylabel="score_mean")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return _png(fig)
-
-
-
-def paired_png(paired: tuple[list[str], list[tuple]]) -> bytes:
-    """Per config the mean paired score difference vs the full cache with its 95% bootstrap CI,
-    one panel per dataset/task/context/protocol cell; 0 (no difference) as a vertical line."""
-    records = [r for r in _records(paired) if r["diff_vs_full"] is not None and r["config_label"] != "full"]
-    cells = sorted({(r["dataset"], r["task"], r["context_tokens"], r["protocol"]) for r in records})
-    columns = max(1, min(2, len(cells)))
-    rows = max(1, -(-len(cells) // columns))
-    height = max(2.0, 0.28 * max((sum(1 for r in records if (r["dataset"], r["task"], r["context_tokens"],
-                                                                  r["protocol"]) == c) for c in cells), default=1))
-    fig, axes = plt.subplots(rows, columns, figsize=((PANEL_INCHES[0] + 3.2) * columns, (height + 1) * rows),
-                             squeeze=False)
-    for ax in axes.flat[len(cells):]:
-        ax.set_visible(False)
-    if not cells:
-        axes[0, 0].text(0.5, 0.5, "no paired data", ha="center", va="center")
-    for ax, cell in zip(axes.flat, cells):
-        cell_rows = sorted((r for r in records if (r["dataset"], r["task"], r["context_tokens"], r["protocol"]) == cell),
-                           key=lambda r: r["config_label"])
-        ys = list(range(len(cell_rows)))
-        for y, r in zip(ys, cell_rows):
-            resolved = r["vs_full"] in ("better", "worse")  # CI excludes 0 (and McNemar p < 0.05 for 0/1)
-            ax.errorbar(r["diff_vs_full"], y, xerr=[[r["diff_vs_full"] - r["diff_vs_full_ci_low"]],
-                                                    [r["diff_vs_full_ci_high"] - r["diff_vs_full"]]],
-                        fmt="o", capsize=3, color="tab:red" if resolved else "tab:gray")
-        ax.axvline(0.0, color="black", linewidth=1)
-        ax.set_yticks(ys, [f"{r['config_label']} (n={r['n']})" for r in cell_rows], fontsize=7)
-        dataset, task, context, protocol = cell
-        ax.set(title=f"{task} @ {context} ({protocol})", xlabel="score - full score (red: resolved)")
-        ax.grid(alpha=0.3, axis="x")
-    return _png(fig)
-
-
-def evidence_png(evidence: tuple[list[str], list[tuple]]) -> bytes:
-    """Per config and cell, mean evidence kept (x) against mean score (y): a config that loses the
-    needle and fails sits bottom-left; one that keeps it and still fails, top-left of its kept."""
-    records = [r for r in _records(evidence) if r["evidence_kept_mean"] is not None]
-    fig, ax = plt.subplots(figsize=(PANEL_INCHES[0] + 2.5, PANEL_INCHES[1] + 0.5))
-    cmap = plt.get_cmap("tab10")
-    tasks = sorted({(r["task"], r["protocol"]) for r in records})
-    for i, (task, protocol) in enumerate(tasks):
-        cell = [r for r in records if (r["task"], r["protocol"]) == (task, protocol)]
-        ax.scatter([r["evidence_kept_mean"] for r in cell], [r["score_mean"] for r in cell], color=cmap(i % 10),
-                   marker="o" if protocol == "query_aware" else "^", label=f"{task} ({protocol})")
-        for r in cell:
-            ax.annotate(r["config_label"], (r["evidence_kept_mean"], r["score_mean"]), fontsize=5,
-                        xytext=(3, 2), textcoords="offset points")
-    if not records:
-        ax.text(0.5, 0.5, "no evidence recorded", ha="center", va="center")
-    ax.set(xlabel="evidence kept (mean over layers, heads, runs)", ylabel="score_mean", xlim=(-0.05, 1.05),
-           ylim=(-0.05, 1.05))
-    ax.grid(alpha=0.3)
-    if records:
-        ax.legend(fontsize=6, loc="lower right")
-    return _png(fig)
+def page_data(reports: dict[str, tuple[list[str], list[tuple]]]) -> dict:
+    """What report.js draws: the rows of the plotted reports, the paired rows joined with the
+    summary row of their cell, the filter choices and a colour per method."""
+    summary = {tuple(r[c] for c in CELL): r for r in _records(reports["summary"])}
+    leaderboard = []
+    for r in _records(reports["paired"]):
+        cell = summary[tuple(r[c] for c in CELL)]  # paired and summary group the same runs
+        ratio = cell["kv_ratio_to_full"]
+        leaderboard.append({**r, "method": cell["method"], "family": config_family(r["config_label"]),
+                            "compression_ratio": 1.0 / ratio if ratio else None,
+                            "score_ci_low": cell["score_ci_low"], "score_ci_high": cell["score_ci_high"]})
+    evidence = [{**r, "method": summary[tuple(r[c] for c in CELL)]["method"]} for r in _records(reports["evidence"])]
+    methods = sorted({r["method"] for r in summary.values()})
+    return {
+        "tasks": sorted({f"{r['dataset']}/{r['task']}" for r in summary.values()}),
+        "protocols": sorted({r["protocol"] for r in summary.values()}),
+        "methods": methods,
+        "colors": {m: COLORS[i % len(COLORS)] for i, m in enumerate(methods)},
+        "leaderboard": leaderboard,
+        "evidence": evidence,
+        "depth": _records(reports["depth"]),
+        "degradation": _records(reports["degradation"]),
+        "pareto": _records(reports["pareto"]),
+    }

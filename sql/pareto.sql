@@ -3,10 +3,11 @@
 -- front when no other config of the same cell dominates it: another config dominates when it scores
 -- at least as well with at most as many live bytes, and is strictly better on one of the two.
 -- dominated_by counts the configs that dominate it (0 on the front). Ties (same score, same bytes)
--- dominate neither way, so both stay on the front. Needs views.sql and run_scores.sql.
+-- dominate neither way, so both stay on the front. Configs of both protocols share one front
+-- (protocol: a function of config_label, there to filter by). Needs views.sql and run_scores.sql.
 WITH config_points AS MATERIALIZED (  -- once: point_id must be the same in every reference
     SELECT sweep_id, dataset, context_tokens, method, budget, bits, tau_init, tau_end,
-           config_label,
+           protocol, config_label,
            count(*) AS runs,
            avg(score) AS score_mean,
            min(score) >= 0 AND max(score) <= 1 AS score_in_unit_range,
@@ -15,7 +16,7 @@ WITH config_points AS MATERIALIZED (  -- once: point_id must be the same in ever
            avg(kv_ratio_to_full) AS kv_ratio_to_full,
            row_number() OVER () AS point_id  -- a config's exact identity within this query
     FROM run_scores
-    GROUP BY sweep_id, dataset, context_tokens, method, budget, bits, tau_init, tau_end, config_label
+    GROUP BY sweep_id, dataset, context_tokens, method, budget, bits, tau_init, tau_end, protocol, config_label
 ),
 dominance AS (
     SELECT p.point_id, count(q.point_id) AS dominated_by
@@ -34,7 +35,7 @@ SELECT c.sweep_id, c.dataset, c.context_tokens,
        CASE WHEN c.score_in_unit_range THEN wilson_high(c.score_mean, c.runs) END AS score_ci_high,
        c.score_full_mean,
        CAST(round(c.live_kv_bytes) AS BIGINT) AS live_kv_bytes,
-       c.kv_ratio_to_full, c.config_label
+       c.kv_ratio_to_full, c.protocol, c.config_label
 FROM config_points AS c
 JOIN dominance AS d USING (point_id)
 ORDER BY c.sweep_id, c.dataset, c.context_tokens, c.live_kv_bytes, c.score_mean DESC, c.config_label;

@@ -4,7 +4,6 @@ from the rows the fixture wrote, and must match what DuckDB returns."""
 
 import kvcompress  # noqa: F401  (first: preloads OpenBLAS before anything imports mlx)
 
-import base64
 import io
 import json
 import math
@@ -34,6 +33,7 @@ EXTRA_IN_S2 = ("kivi", None, 3.0, None, None, 0.1875, 0.05)  # present in sweep 
 FULL_SAMPLES = [f"x{i}" for i in range(5)]
 METHOD_SAMPLES = FULL_SAMPLES[:4]  # the full cache also ran x4: a ceiling must not count it
 STEPS = 4
+DEPTHS = [0.0, 0.31, 0.35, 0.97, 1.0]  # ruler samples' evidence_depth: 1.0 falls in the last tenth
 Z95 = 1.959963984540054
 
 
@@ -76,6 +76,7 @@ def build_fixture(root: str) -> tuple[list[dict], list[dict]]:
                     # evidence: every layer held all of it when the answer was right, half otherwise
                     kept = 1.0 if score >= 1 or method == "full" else 0.5
                     run["evidence_kept"] = kept
+                    run["evidence_depth"] = DEPTHS[sample_index] if dataset == "ruler" else None
                     evidence = [dict(run_id=run_id, layer=layer, stage=stage, kept_min=kept, kept_mean=kept,
                                      key_rel_err=0.0, value_rel_err=0.0)
                                 for stage in ("compressed", "final") for layer in range(2)]
@@ -212,6 +213,7 @@ def test_pareto_front_membership(fixture_results, con):
             fronts += beaten_by == 0
             dominated += beaten_by > 0
     assert fronts >= 2 * len(cells) and dominated >= len(cells)  # the fixture exercises both outcomes
+    assert {r["protocol"] for r in got} == {"query_aware"}  # runs without a protocol were query-aware
 
 
 def test_degradation_by_step(fixture_results, con):
@@ -231,6 +233,7 @@ def test_degradation_by_step(fixture_results, con):
     snap = {r["step"]: r["kl_mean"] for r in got if (r["sweep_id"], r["method"], r["budget"]) == ("s1", "snapkv", 0.25)}
     assert snap == {step: approx(0.08 * (step + 1) + 0.01 * 1.5) for step in range(STEPS)}
     assert all(r["kl_max"] < 99 for r in got)  # the failed run's steps are excluded
+    assert {r["protocol"] for r in got} == {"query_aware"}
 
 
 def test_speed_memory_percentiles(fixture_results, con):
@@ -294,6 +297,51 @@ def test_compare_sweeps_explicit_and_default(fixture_results, con):
         sorted(-r["score_delta"] for r in default if r["score_delta"] is not None)
 
 
+def test_depth_report_bins_evidence_depth_by_context_length(fixture_results, con):
+    _, runs, _ = fixture_results
+    placed = [r for r in ok_runs(runs) if r["evidence_depth"] is not None]
+    expected = group(placed, lambda r: (r["sweep_id"], *config_key(r), r["dataset"], r["task"], r["context_tokens"],
+                                        min(math.floor(10 * r["evidence_depth"]), 9) / 10))
+    got = report_records(con, "depth")
+    assert len(got) == len(expected) and {r["dataset"] for r in got} == {"ruler"}  # longbench has no depth
+    for row in got:
+        cell = expected[(row["sweep_id"], *config_key(row), row["dataset"], row["task"], row["context_tokens"],
+                         row["depth_low"])]
+        p = mean(r["score"] for r in cell)
+        assert row["depth_high"] == pytest.approx(row["depth_low"] + 0.1)
+        assert (row["runs"], row["protocol"]) == (len(cell), "query_aware")
+        assert row["score_mean"] == approx(p)
+        assert (row["score_ci_low"], row["score_ci_high"]) == tuple(approx(v) for v in wilson(p, len(cell)))
+        fulls = [full_score(runs, r) for r in cell]
+        assert row["score_full_mean"] == approx(mean(fulls))
+        assert row["score_vs_full"] == approx(mean(r["score"] - f for r, f in zip(cell, fulls)))
+    # 0.31 and 0.35 share a tenth; 0.97 and 1.0 (x4 runs only under the full cache) share the last
+    snap = [r for r in got if (r["sweep_id"], r["method"], r["budget"]) == ("s1", "snapkv", 0.25)]
+    assert [(r["depth_low"], r["runs"]) for r in snap] == [(0.0, 1), (0.3, 2), (0.9, 1)]
+    full = [r for r in got if (r["sweep_id"], r["method"]) == ("s1", "full")]
+    assert [(r["depth_low"], r["runs"]) for r in full] == [(0.0, 1), (0.3, 2), (0.9, 2)]
+
+
+def test_depth_report_reads_results_written_before_evidence_depth(tmp_path):
+    """Older results have no evidence_depth column: the report falls back to the depth the sweep
+    pinned (dataset_params.depth) and leaves out runs with random depths."""
+    import pyarrow as pa
+
+    from kvcompress.results import RUNS_SCHEMA, write_table
+    from kvcompress_reports import connect, run_report
+    from tests.test_results import make_run
+
+    old_schema = pa.schema([f for f in RUNS_SCHEMA if f.name != "evidence_depth"])
+    root = str(tmp_path / "results")
+    for rid, pinned, score in (("a", 0.25, 1.0), ("b", 0.25, 0.0), ("c", None, 1.0)):
+        run = make_run(rid, "full", score, 1000, config=json.dumps({"dataset_params": {"depth": pinned}}))
+        write_table(root, "runs/sweep_id=old/method=full", rid,
+                    pa.Table.from_pylist([{k: v for k, v in run.items() if k in old_schema.names}], schema=old_schema))
+    columns, rows = run_report(connect(root), "depth")
+    (row,) = [dict(zip(columns, r)) for r in rows]
+    assert (row["depth_low"], row["depth_high"], row["runs"], row["score_mean"]) == (0.2, 0.3, 2, 0.5)
+
+
 def test_render_reports_prints_every_report(fixture_results):
     from kvcompress_reports import DEFAULT_REPORTS
     from kvcompress_reports.render import render_reports
@@ -312,36 +360,128 @@ def _png_pixels(data: bytes):
     return matplotlib.image.imread(io.BytesIO(data), format="png")
 
 
-def test_html_report_in_headless_chromium(fixture_results, tmp_path):
+CHROMIUM = "/usr/bin/chromium"
+
+
+def chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """Headless Chromium, offline; --virtual-time-budget lets the page's scripts finish first."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is not installed (apt-get install -y chromium)")
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+         "--virtual-time-budget=10000", *args],
+        check=True, timeout=120, capture_output=True, text=True,
+    )
+
+
+def rendered(tmp_path, page: Path, fragment: str = "") -> tuple[str, dict]:
+    """The page's DOM once its scripts ran, and what it says each panel drew (#shown); fails on
+    any error the page caught (#errors) or Chromium logged from the page's console."""
+    done = chromium(tmp_path, "--dump-dom", page.resolve().as_uri() + fragment)
+    dom = done.stdout
+    errors = re.search(r'<pre id="errors"[^>]*>(.*?)</pre>', dom, flags=re.S).group(1)
+    assert errors == "", errors
+    assert not re.search(r"CONSOLE|Uncaught", done.stderr), done.stderr
+    assert 'data-status="rendered"' in dom  # report.js ran to its end
+    shown = re.search(r'<pre id="shown"[^>]*>(.*?)</pre>', dom, flags=re.S).group(1)
+    return dom, json.loads(shown.replace("&quot;", '"').replace("&amp;", "&"))
+
+
+def embedded_data(text: str) -> dict:
+    return json.loads(re.search(r'<script type="application/json" id="report-data">(.*?)</script>', text).group(1))
+
+
+def test_config_family_drops_only_the_budget():
+    from kvcompress_reports.html_report import config_family
+
+    assert config_family("snapkv budget=0.25") == config_family("snapkv budget=0.5") == "snapkv"
+    assert config_family("keyformer budget=0.5 tau=1.0..2.0 score=proxy protocol=query_agnostic") == \
+        "keyformer tau=1.0..2.0 score=proxy protocol=query_agnostic"
+    assert config_family("kivi bits=2") != config_family("kivi bits=4")  # bits is not the budget
+    assert config_family("snapkv budget=64 window_size=8") != config_family("snapkv budget=64")
+
+
+def test_html_report_is_self_contained_and_joins_only_families(fixture_results, tmp_path):
+    from kvcompress_reports import connect, run_report
     from kvcompress_reports.html_report import write_html
 
     page = write_html(fixture_results[0], str(tmp_path / "report.html"))
     text = page.read_text()
-    images = re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
-    assert len(images) == 5 == text.count("<img ")
-    for encoded in images:
-        pixels = _png_pixels(base64.b64decode(encoded))
-        assert pixels.shape[0] > 200 and pixels.shape[1] > 300
-        assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::7]}) > 1  # not a flat image
-    assert "http://" not in text and "https://" not in text and "<script" not in text  # self-contained
-    assert text.count("<table>") == 7 and "sweep s2" in text  # default: the newest sweep
+    # self-contained: plotly.js inlined once, no file, script, style or font fetched at view time
+    assert text.count("plotly.js v") == 1 and text.count("<script") == 4
+    ours = re.sub(r"<script>/\*\*\n\* plotly\.js v.*?</script>", "", text, flags=re.S)  # all but plotly.js
+    assert len(ours) < len(text) - 4_000_000 and not re.search(r"<script[^>]* src=|<link|<img|@import|url\(|https?://", ours)
+    assert text.count("<table>") == 8 and "sweep s2" in text  # every report; default: the newest sweep
+    data = embedded_data(text)
+    assert data["methods"] == ["full", "keyformer", "kivi", "snapkv"] and data["protocols"] == ["query_aware"]
+    assert data["tasks"] == ["longbench/qa", "ruler/niah"]
+    columns, rows = run_report(connect(fixture_results[0]), "summary")
+    summary = {(r["dataset"], r["config_label"]): r for r in (dict(zip(columns, row)) for row in rows)
+               if r["sweep_id"] == "s2"}
+    assert len(data["leaderboard"]) == len(summary)
+    for r in data["leaderboard"]:  # the paired difference, placed at the summary's compression ratio
+        cell = summary[(r["dataset"], r["config_label"])]
+        assert r["method"] == cell["method"] and r["compression_ratio"] == approx(1 / cell["kv_ratio_to_full"])
+        assert r["diff_vs_full_ci_low"] <= r["diff_vs_full"] <= r["diff_vs_full_ci_high"]
+    families = group(data["leaderboard"], lambda r: (r["dataset"], r["family"]))
+    assert {len(members) for (dataset, family), members in families.items() if family == "snapkv"} == {2}
+    assert all(len(members) == 1 for (_, family), members in families.items() if family.startswith("kivi"))
+    assert {r["dataset"] for r in data["depth"]} == {"ruler"}
 
-    chromium = "/usr/bin/chromium"
-    if not Path(chromium).exists():
-        pytest.skip("/usr/bin/chromium is not installed (apt-get install -y chromium)")
+
+def test_html_report_in_headless_chromium(fixture_results, tmp_path):
+    from kvcompress_reports.html_report import write_html
+
+    page = write_html(fixture_results[0], str(tmp_path / "report.html"))
+    dom, shown = rendered(tmp_path, page)
+    assert shown["filters"] == {"task": "all", "protocol": "query_aware", "methods": ["full", "keyformer", "kivi", "snapkv"],
+                                "y": "diff"}
+    panels = ["longbench/qa @ 2048 tokens", "ruler/niah @ 1024 tokens"]
+    assert list(shown["leaderboard"]) == panels == list(shown["paired"]) == list(shown["evidence"])
+    # a line per family: the two snapkv budgets share one, each kivi bits and the keyformer config stand alone
+    assert shown["leaderboard"][panels[1]] == ["keyformer tau=1..2", "kivi bits=2", "kivi bits=3", "kivi bits=4",
+                                               "snapkv", "full cache"]
+    assert shown["paired"][panels[1]][-2:] == ["snapkv budget=0.25", "snapkv budget=0.5"]  # budgets by value
+    assert len(shown["depth"]) == len(CONFIGS) + 1 and all(k.endswith(" - ruler/niah") for k in shown["depth"])
+    assert dom.count('class="main-svg"') >= 2 * (2 + 2 + len(shown["depth"]) + 2 + 1 + 2)  # plotly drew every panel
+    assert 'class="legendtext"' in dom and ">kivi bits=3<" in dom
+
+    # the filters: the hash picks a task, methods and the y axis; the DOM shows only those traces
+    dom, shown = rendered(tmp_path, page, "#task=ruler/niah&protocol=query_aware&methods=snapkv,full&y=score")
+    assert shown["filters"]["task"] == "ruler/niah" and shown["filters"]["y"] == "score"
+    assert shown["leaderboard"] == {panels[1]: ["snapkv", "full cache"]}
+    assert shown["paired"] == {panels[1]: ["snapkv budget=0.25", "snapkv budget=0.5"]}
+    assert list(shown["depth"]) == ["full - ruler/niah", "snapkv budget=0.25 - ruler/niah", "snapkv budget=0.5 - ruler/niah"]
+    assert list(shown["pareto"]) == ["ruler @ 1024 tokens"] and "kivi bits=2" not in shown["degradation"][
+        "KL and top-1 agreement vs decode step (all tasks)"]
+    legend = set(re.findall(r'class="legendtext"[^>]*>([^<]*)<', dom))
+    assert "snapkv" in legend and not any(name.startswith(("kivi", "keyformer")) for name in legend)
+    assert '<option value="ruler/niah" selected="">' in dom  # the controls show the hash's choice
+    assert '<input type="checkbox" value="kivi">' in dom and '<input type="checkbox" value="snapkv" checked="">' in dom
+
+    # what a person sees at 1400 px: drawn, with dark text and lines
     shot = tmp_path / "shot.png"
-    subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1280,2000",
-         "--hide-scrollbars", page.resolve().as_uri()],
-        check=True, timeout=120, capture_output=True,
-    )
+    chromium(tmp_path, f"--screenshot={shot}", "--window-size=1400,2000", "--hide-scrollbars", page.resolve().as_uri())
     pixels = _png_pixels(shot.read_bytes())
-    assert pixels.shape[:2] == (2000, 1280)
+    assert pixels.shape[:2] == (2000, 1400)
     gray = pixels[..., :3].mean(axis=-1)
     assert gray.var() > 1e-3  # not blank
     assert (gray < 0.5).mean() > 0.005  # text and plot lines drawn in dark ink
+
+
+def test_html_report_shows_script_errors_on_the_page(tmp_path):
+    """The page's error channel works: a script that throws lands in #errors (so the test above,
+    which asserts #errors is empty, would see a broken report)."""
+    from kvcompress_reports.html_report import CATCH_ERRORS
+
+    page = tmp_path / "broken.html"
+    page.write_text(f'<!DOCTYPE html><html><body><pre id="errors" hidden></pre><script>{CATCH_ERRORS}</script>'
+                    "<script>console.error('drawn badly'); undefinedFunction();</script></body></html>")
+    dom = chromium(tmp_path, "--dump-dom", page.resolve().as_uri()).stdout
+    errors = re.search(r'<pre id="errors"[^>]*>(.*?)</pre>', dom, flags=re.S).group(1)
+    assert "drawn badly" in errors and "undefinedFunction is not defined" in errors
 
 
 def test_publish_artifacts_to_a_real_prefect_server(fixture_results):
@@ -393,8 +533,10 @@ def test_html_report_handles_configs_tied_on_compression_ratio(tmp_path):
         write(root, "tie", "keyformer", make_run(rid, "keyformer", 1.0, 500, budget=0.5, tau_init=1.0, tau_end=tau_end),
               make_steps(rid, [0.1, 0.2], [True, True]))
     write(root, "tie", "full", make_run("f", "full", 1.0, 1000), make_steps("f", [0.0, 0.0], [True, True]))
-    page = html(root, str(tmp_path / "report.html")).read_text()
-    assert page.count("<img") == 5
+    data = embedded_data(html(root, str(tmp_path / "report.html")).read_text())
+    tied = [r for r in data["leaderboard"] if r["method"] == "keyformer"]
+    assert [r["compression_ratio"] for r in tied] == [2.0, 2.0]  # same ratio, two families: never one line
+    assert sorted(r["family"] for r in tied) == ["keyformer tau=1..1", "keyformer tau=1..2"]
 
 
 def test_paired_report_matches_the_summary_and_names_unresolved_differences(fixture_results):
@@ -458,7 +600,7 @@ def test_report_fits_one_screen_and_points_to_the_rest(fixture_results, tmp_path
     expected = {r[columns.index("config_label")] for r in rows
                 if r[columns.index("sweep_id")] == "s2" and r[columns.index("on_front")]}
     assert front == expected and "kivi bits=2" in front
-    assert f"HTML report (every report, 5 plots): {tmp_path / 'r.html'}" in done.stdout
+    assert f"HTML report (every report, interactive plots): {tmp_path / 'r.html'}" in done.stdout
     assert (tmp_path / "r.html").exists() and "--all" in lines[-2] and "s1" in lines[-1]
     # one row per config x task of s2, scores as in the runs
     s2 = [r for r in runs if r["sweep_id"] == "s2" and r["status"] == "ok"]

@@ -194,6 +194,9 @@ def test_evidence_survival_per_layer_and_stage(embedded):
     if needle_is_early:
         assert all(r["kept_mean"] == 0.0 for r in late.evidence) and late.run["evidence_kept"] == 0.0
     assert full.run["evidence_kept"] == 1.0 == kivi.run["evidence_kept"]
+    # the needle's depth: its first token over the prompt before the question, the same for every method
+    assert 0.0 < full.run["evidence_depth"] == start / prompt.question_start < 1.0
+    assert {r.run["evidence_depth"] for r in (full, kivi, quant, early, late)} == {full.run["evidence_depth"]}
     compressed = [r for r in early.evidence if r["stage"] == "compressed"]
     kept = sum(1 for p in range(start, end) if p < 4 or p >= len(prompt.tokens) - (end + 4 - 4)) / (end - start)
     assert all(r["kept_mean"] == pytest.approx(kept) for r in compressed)

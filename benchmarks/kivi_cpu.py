@@ -28,6 +28,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
 from kvcompress.memory import layer_live_kv_bytes  # noqa: E402
+from kvcompress.model import model_info  # noqa: E402
 from kvcompress.methods.kivi import KiviCache  # noqa: E402
 
 CACHES = {
@@ -125,8 +126,8 @@ def attention_table(contexts=(2048, 4096, 8192), repeat=40):
 def decode_table(contexts=(2048, 4096, 8192), steps=12, warmup=2):
     model, _ = kvcompress.load_model()
     kvcompress.make_cache(model, "full")  # installs the attention hook
-    layers = len(model.layers)
-    H, D = model.layers[0].self_attn.n_kv_heads, model.layers[0].self_attn.head_dim
+    info = model_info(model)
+    layers, H, D = info["n_layers"], info["n_kv_heads"], info["head_dim"]
     print(f"\n## Decode step time, embedded SmolLM2-135M fp32 CPU ({layers} layers, {H} KV heads, D = {D}), ms/step")
     names = ["full", "KIVI-2", "KIVI-4", "K4V2", "mlx-quant-4", "mlx-quant-8"]
     print(f"{'context':>8} " + " ".join(f"{n:>11}" for n in names) + "   KIVI-2/full  KIVI-4/full")

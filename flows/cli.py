@@ -111,7 +111,7 @@ def print_screen(results: str, sweep_id: str | None = None, baseline: str | None
         from kvcompress_reports.html_report import write_html
 
         path = write_html(results, html or default_html_path(results, sweep_id), sweep_id=sweep_id, baseline=baseline)
-        print(f"HTML report (every report, interactive plots): {path}")
+        print(f"HTML report (interactive): {path}")
     others = f"; other sweeps (--sweep ID): {', '.join(s for s in sweeps if s != sweep_id)}" if len(sweeps) > 1 else ""
     names = [n for n in report_names() if n in ("paired", "pareto", "speed_memory", "evidence")]
     print(textwrap.fill(f"More: --all, --report NAME (e.g. {', '.join(names)}), --format csv|json|markdown{others}",

@@ -600,7 +600,7 @@ def test_report_fits_one_screen_and_points_to_the_rest(fixture_results, tmp_path
     expected = {r[columns.index("config_label")] for r in rows
                 if r[columns.index("sweep_id")] == "s2" and r[columns.index("on_front")]}
     assert front == expected and "kivi bits=2" in front
-    assert f"HTML report (every report, interactive plots): {tmp_path / 'r.html'}" in done.stdout
+    assert f"HTML report (interactive): {tmp_path / 'r.html'}" in done.stdout
     assert (tmp_path / "r.html").exists() and "--all" in lines[-2] and "s1" in lines[-1]
     # one row per config x task of s2, scores as in the runs
     s2 = [r for r in runs if r["sweep_id"] == "s2" and r["status"] == "ok"]

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import QuantizedKVCache
 
 from ..adapter import model_layout, trial_error
+from ..attention import install, original_sdpa
 from ..errors import ConfigError, check
 from .base import Method
 
@@ -30,6 +32,7 @@ class MlxQuant(Method):
         check(self.group_size in (32, 64, 128), "mlx-quant.group_size", "one of 32, 64, 128", self.group_size)
 
     def make_cache(self, model) -> list:
+        install()  # sink layers' caches attend themselves
         caches = super().make_cache(model)
         # some models handle the arrays mlx-lm's QuantizedKVCache returns themselves (Phi-2 reads
         # `values.dtype` of what is a tuple here): one probe-sized pass finds out before any work
@@ -44,9 +47,6 @@ class MlxQuant(Method):
             if dim % self.group_size:
                 raise ConfigError(
                     f"mlx-quant.group_size: expected a divisor of the model's {what} {dim}, got {self.group_size}")
-        if layer.sinks:
-            raise ConfigError(f"mlx-quant: mlx-lm's quantized attention has no attention sinks, which "
-                              f"{layout.model_class} uses; 'kivi' supports them")
         missing = quantized_attention_error(layer.head_dim, self.bits, self.group_size, layout.dtype,
                                             str(mx.default_device()))
         if missing:
@@ -55,7 +55,27 @@ class MlxQuant(Method):
                 f"mlx-quant: this device's mx.quantized_matmul cannot run mlx-lm's quantized attention "
                 f"(bits {self.bits}, group_size {self.group_size}, {layout.dtype}): {missing}; 'kivi' runs here"
             )
-        return QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        cache = SinkQuantizedKVCache if layer.sinks else QuantizedKVCache
+        return cache(group_size=self.group_size, bits=self.bits)
+
+
+class SinkQuantizedKVCache(QuantizedKVCache):
+    """mlx-lm's QuantizedKVCache on a layer with attention sinks (GPT-OSS). mlx-lm's quantized
+    attention has no sink logit (it raises), so this cache attends over its dequantized keys and
+    values with MLX's fused attention, the sinks included: the same codes, the same attention up to
+    float rounding, and the same bytes held."""
+
+    def attention(self, queries, keys, values, scale, mask, sinks=None):
+        # queries [B, H_q, L, D]; keys/values: the (codes, scales, biases) update_and_fetch returned
+        if sinks is None:
+            return original_sdpa(queries, keys, values, cache=self, scale=scale, mask=mask)
+        k, v = (mx.dequantize(*side, group_size=self.group_size, bits=self.bits).astype(queries.dtype)
+                for side in (keys, values))
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+# mlx-lm's load_prompt_cache looks cache classes up by name in mlx_lm.models.cache's globals.
+setattr(mlx_cache, "SinkQuantizedKVCache", SinkQuantizedKVCache)
 
 
 @lru_cache(maxsize=None)

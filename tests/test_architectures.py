@@ -45,6 +45,8 @@ QUANTIZER_REFUSED = {"deepseek_v2": "divisor of the model's head_dim 48"}  # 48-
 def expected_refusal(name: str, method: str) -> str | None:
     if method == "full":
         return None
+    if method == "turboquant" and name == "deepseek_v2":
+        return "multiples of 32"
     if name in ATTENTION_REFUSED:
         return ATTENTION_REFUSED[name]
     if method in EVICTION:
@@ -128,7 +130,7 @@ def test_lossy_settings_run(name, models):
     for method, params in (("h2o", {"budget": 0.5}), ("snapkv", {"budget": 0.5, "recent": 8}),
                            ("pyramidkv", {"budget": 0.5, "recent": 8}), ("adakv", {"budget": 0.9}),  # window 32
                            ("keyformer", {"budget": 24, "positions": "compact"}), ("streaming", {"budget": 24}),
-                           ("kivi", {"bits": 2, "group_size": 32, "residual": 32})):
+                           ("kivi", {"bits": 2, "group_size": 32, "residual": 32}), ("turboquant", {"bits": 3})):
         if reason := expected_refusal(name, method):
             with pytest.raises(ConfigError, match=reason):
                 make_cache(model, method, **params)

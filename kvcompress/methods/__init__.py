@@ -20,10 +20,11 @@ from .random_floor import Random
 from .snapkv import SnapKV
 from .streaming import Streaming
 from .tova import TOVA
+from .turboquant import TurboQuant
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Full, MlxQuant, Kivi, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm, Random)
+    for cls in (Full, MlxQuant, Kivi, TurboQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm, Random)
 }
 
 

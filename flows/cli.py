@@ -13,7 +13,7 @@ import warnings
 import kvcompress  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
 from kvcompress.errors import ConfigError
 from kvcompress.methods import list_methods
-from kvcompress.results import check_root, default_root, quarantine, scan, validate_sweep_id
+from kvcompress.results import check_root, default_root, quarantine, redact, scan, validate_sweep_id
 from kvcompress.sweep import grid_schema, load_spec
 
 SCREEN_WIDTH = 120  # the one-screen report's width (kvcompress_reports.render.SCREEN_WIDTH)
@@ -165,11 +165,11 @@ def cmd_check(args) -> int:
     for problem in problems:
         print(f"{problem.path}: {problem.reason}")
     if not problems:
-        print(f"{args.results}: every run reads back whole")
+        print(f"{redact(args.results)}: every run reads back whole")
         return 0
     if args.repair:
         moved = quarantine(args.results, problems)
-        print(f"moved {len(moved)} file(s) under {args.results}/_quarantine; the next sweep reruns those runs")
+        print(f"moved {len(moved)} file(s) under {redact(args.results)}/_quarantine; the next sweep reruns those runs")
         return 0
     print(f"{len(problems)} problem(s); `kvcompress check --repair` moves them aside")
     return 1

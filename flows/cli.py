@@ -24,6 +24,7 @@ def prefect_api():
     """The configured Prefect server, or a temporary local one that dies with this process
     (Prefect's own ephemeral server outlives a `kill -9` of its parent)."""
     if os.environ.get("PREFECT_API_URL"):
+        check_api_auth(os.environ["PREFECT_API_URL"])
         yield os.environ["PREFECT_API_URL"]
         return
     from kvcompress_flows.local_server import LocalServer
@@ -32,6 +33,29 @@ def prefect_api():
     with LocalServer() as api:
         os.environ["PREFECT_API_URL"] = api
         yield api
+
+
+def check_api_auth(api_url: str) -> None:
+    """Fail in one line, before any work, when the server wants an auth string this process does not
+    send (Prefect's clients send PREFECT_API_AUTH_STRING; on the server's own machine the server's
+    PREFECT_SERVER_API_AUTH_STRING serves). An unreachable server is left to Prefect's own error."""
+    import urllib.error
+    import urllib.request
+
+    from kvcompress_flows.local_server import auth_headers
+
+    if not os.environ.get("PREFECT_API_AUTH_STRING") and os.environ.get("PREFECT_SERVER_API_AUTH_STRING"):
+        os.environ["PREFECT_API_AUTH_STRING"] = os.environ["PREFECT_SERVER_API_AUTH_STRING"]
+    request = urllib.request.Request(api_url.rstrip("/") + "/admin/version", headers=auth_headers())
+    try:
+        urllib.request.urlopen(request, timeout=30)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            state = "is refused" if os.environ.get("PREFECT_API_AUTH_STRING") else "is not set"
+            raise ConfigError(f"PREFECT_API_URL={api_url} requires an auth string: PREFECT_API_AUTH_STRING {state} "
+                              "(the server's PREFECT_SERVER_API_AUTH_STRING)") from None
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import re
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +113,7 @@ SWEEP_ID_MAX_LEN = 128
 PARTITION_SCHEMA = pa.schema([("sweep_id", pa.string()), ("method", pa.string())])  # the hive directories
 OBJECT_STORES = ("s3", "gcs", "abfs")  # pyarrow file systems whose PUT is atomic and whose rename is a copy
 SECRET_URL_OPTIONS = ("access_key", "secret_key", "session_token", "access_token", "account_key", "sas_token")
+READERS = 16  # footers read at once when listing readable files
 STALE_TEMP_S = 3600.0  # a temp file this old is a crashed write, whatever host wrote it
 QUARANTINE = "_quarantine"  # where `quarantine` moves broken files (outside every table's glob)
 
@@ -372,11 +374,12 @@ def quarantine(root: str, problems: list[Problem]) -> list[str]:
 def readable_files(root: str, table: str) -> tuple[list[str], list[Problem]]:
     """The `*.parquet` files of one table that read as Parquet, and the ones that do not."""
     fs, base = _filesystem(root)
-    good, bad = [], []
-    for info in _parquet_files(fs, f"{base}/{table}"):
-        if info.base_name.startswith(".") or not info.base_name.endswith(".parquet"):
-            continue
-        (good if _rows(fs, info.path) is not None else bad).append(info.path)
+    paths = [i.path for i in _parquet_files(fs, f"{base}/{table}")
+             if not i.base_name.startswith(".") and i.base_name.endswith(".parquet")]
+    with ThreadPoolExecutor(READERS) as pool:  # an object store answers each footer read after a round trip
+        rows = list(pool.map(lambda path: _rows(fs, path), paths))
+    good = [p for p, n in zip(paths, rows) if n is not None]
+    bad = [p for p, n in zip(paths, rows) if n is None]
     if not isinstance(fs, pafs.LocalFileSystem):  # object stores list "bucket/key": readers need the scheme back
         scheme = root.split("://", 1)[0]
         good = [f"{scheme}://{p}" for p in good]
@@ -385,10 +388,10 @@ def readable_files(root: str, table: str) -> tuple[list[str], list[Problem]]:
 
 def read_files(root: str, table: str, paths: list[str]) -> pa.Table:
     """The files `paths` of one table (as `readable_files` lists them) as one Arrow table, with the
-    hive columns `sweep_id` and `method` last and NULL for columns a file predates: how reports read
-    an object store offline (DuckDB's own reader would download its network extension)."""
+    hive columns last (`method`, `sweep_id`: DuckDB's order) and NULL for columns a file predates: how
+    reports read an object store offline (DuckDB's own reader would download its network extension)."""
     fs, base = _filesystem(root)
-    schema = pa.unify_schemas([TABLES[table], PARTITION_SCHEMA])
+    schema = pa.unify_schemas([TABLES[table], pa.schema(sorted(PARTITION_SCHEMA, key=lambda field: field.name))])
     if not paths:
         return schema.empty_table()
     dataset = pads.dataset([p.split("://", 1)[-1] for p in paths], schema=schema, format="parquet", filesystem=fs,

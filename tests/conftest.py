@@ -27,6 +27,7 @@ os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"
 
 import kvcompress  # noqa: E402  (loads the optimized BLAS before mlx)
 from model_fixtures import tiny_llama  # noqa: E402, F401  (a fixture: pytest finds it here)
+from s3_server import s3_results, s3_server  # noqa: E402, F401  (fixtures: a real S3 API server)
 
 ROOT = Path(__file__).resolve().parent.parent
 

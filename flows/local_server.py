@@ -144,9 +144,11 @@ def _watchdog(host: str, port: str, ui: str) -> int:
 
 def _check_bind(host: str) -> int:
     """`python -m kvcompress_flows.local_server check-bind HOST`: require_auth for scripts/prefect_local.sh."""
+    from kvcompress.errors import ConfigError
+
     try:
         require_auth(host)
-    except Exception as exc:  # a ConfigError: one line, no traceback
+    except ConfigError as exc:  # one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -13,7 +13,7 @@ import warnings
 import kvcompress  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
 from kvcompress.errors import ConfigError
 from kvcompress.methods import list_methods
-from kvcompress.results import check_root, default_root, quarantine, scan, validate_sweep_id
+from kvcompress.results import check_root, default_root, quarantine, redact, scan, validate_sweep_id
 from kvcompress.sweep import grid_schema, load_spec
 
 SCREEN_WIDTH = 120  # the one-screen report's width (kvcompress_reports.render.SCREEN_WIDTH)
@@ -24,6 +24,7 @@ def prefect_api():
     """The configured Prefect server, or a temporary local one that dies with this process
     (Prefect's own ephemeral server outlives a `kill -9` of its parent)."""
     if os.environ.get("PREFECT_API_URL"):
+        check_api_auth(os.environ["PREFECT_API_URL"])
         yield os.environ["PREFECT_API_URL"]
         return
     from kvcompress_flows.local_server import LocalServer
@@ -32,6 +33,29 @@ def prefect_api():
     with LocalServer() as api:
         os.environ["PREFECT_API_URL"] = api
         yield api
+
+
+def check_api_auth(api_url: str) -> None:
+    """Fail in one line, before any work, when the server wants an auth string this process does not
+    send (Prefect's clients send PREFECT_API_AUTH_STRING; on the server's own machine the server's
+    PREFECT_SERVER_API_AUTH_STRING serves). An unreachable server is left to Prefect's own error."""
+    import urllib.error
+    import urllib.request
+
+    from kvcompress_flows.local_server import auth_headers
+
+    if not os.environ.get("PREFECT_API_AUTH_STRING") and os.environ.get("PREFECT_SERVER_API_AUTH_STRING"):
+        os.environ["PREFECT_API_AUTH_STRING"] = os.environ["PREFECT_SERVER_API_AUTH_STRING"]
+    request = urllib.request.Request(api_url.rstrip("/") + "/admin/version", headers=auth_headers())
+    try:
+        urllib.request.urlopen(request, timeout=30)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            state = "is refused" if os.environ.get("PREFECT_API_AUTH_STRING") else "is not set"
+            raise ConfigError(f"PREFECT_API_URL={api_url} requires an auth string: PREFECT_API_AUTH_STRING {state} "
+                              "(the server's PREFECT_SERVER_API_AUTH_STRING)") from None
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager
@@ -165,11 +189,11 @@ def cmd_check(args) -> int:
     for problem in problems:
         print(f"{problem.path}: {problem.reason}")
     if not problems:
-        print(f"{args.results}: every run reads back whole")
+        print(f"{redact(args.results)}: every run reads back whole")
         return 0
     if args.repair:
         moved = quarantine(args.results, problems)
-        print(f"moved {len(moved)} file(s) under {args.results}/_quarantine; the next sweep reruns those runs")
+        print(f"moved {len(moved)} file(s) under {redact(args.results)}/_quarantine; the next sweep reruns those runs")
         return 0
     print(f"{len(problems)} problem(s); `kvcompress check --repair` moves them aside")
     return 1

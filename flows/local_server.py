@@ -10,11 +10,14 @@ server is configured, and by the tests; `scripts/prefect_local.sh` runs long-liv
     with LocalServer() as api:      # api == "http://127.0.0.1:PORT/api", healthy
         ...
 
-Processes started elsewhere (workers in tests) are stopped with `stop_process_group`.
+Processes started elsewhere (workers in tests) are stopped with `stop_process_group`. A server
+bound beyond loopback needs Prefect's basic auth (`PREFECT_SERVER_API_AUTH_STRING`; clients send
+`PREFECT_API_AUTH_STRING`): `require_auth` refuses to start one without it.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import socket
@@ -25,6 +28,26 @@ import urllib.request
 from pathlib import Path
 
 STOP_GRACE_S = 20.0
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def require_auth(host: str, environ=os.environ) -> None:
+    """Refuse to serve the API beyond this machine without an auth string: Prefect's API has no other
+    access control, so anyone who reaches the port could run flows (code) on the workers."""
+    if host in LOOPBACK_HOSTS or host.startswith("127.") or environ.get("PREFECT_SERVER_API_AUTH_STRING"):
+        return
+    from kvcompress.errors import ConfigError
+
+    raise ConfigError(f"PREFECT_SERVER_HOST={host} serves the API beyond this machine: set an auth string first, "
+                      "e.g. export PREFECT_SERVER_API_AUTH_STRING=\"kvcompress:$(python3 -c 'import secrets; "
+                      "print(secrets.token_hex(16))')\", and on every client and worker machine "
+                      "PREFECT_API_AUTH_STRING with the same value (docs/many-machines.md)")
+
+
+def auth_headers(environ=os.environ) -> dict[str, str]:
+    """The Authorization header Prefect's clients send for PREFECT_API_AUTH_STRING (none when unset)."""
+    auth = environ.get("PREFECT_API_AUTH_STRING")
+    return {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,6 +96,7 @@ class LocalServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> str:
+        require_auth(self.host)
         out = open(self.log, "w") if self.log else subprocess.DEVNULL
         command = [sys.executable, "-m", "kvcompress_flows.local_server", self.host, str(self.port), "ui" if self.ui else "no-ui"]
         # the dashboard's JavaScript calls the API at PREFECT_UI_API_URL (default: port 4200)
@@ -118,5 +142,17 @@ def _watchdog(host: str, port: str, ui: str) -> int:
     return 0
 
 
+def _check_bind(host: str) -> int:
+    """`python -m kvcompress_flows.local_server check-bind HOST`: require_auth for scripts/prefect_local.sh."""
+    from kvcompress.errors import ConfigError
+
+    try:
+        require_auth(host)
+    except ConfigError as exc:  # one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(_watchdog(*sys.argv[1:4]))
+    sys.exit(_check_bind(sys.argv[2]) if sys.argv[1] == "check-bind" else _watchdog(*sys.argv[1:4]))

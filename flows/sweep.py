@@ -19,7 +19,8 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
-from kvcompress.results import check_root, configs_without_ok_run, default_root, finished_run_ids, validate_sweep_id
+from kvcompress.results import (check_root, configs_without_ok_run, default_root, finished_run_ids, redact,
+                                validate_sweep_id)
 from kvcompress.sweep import Shard, SweepSpec, load_spec
 from kvcompress_tasks.datasets import prepare_dataset
 from kvcompress_tasks.regression import regression_report
@@ -80,7 +81,7 @@ def sweep(
         sweep_id = sweep_id or f"{plan.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     sweep_id = sweep_id or plan.name
     shards = plan.shards
-    logger.info("sweep %s: %s -> %s", sweep_id, json.dumps(plan.estimate()), results)
+    logger.info("sweep %s: %s -> %s", sweep_id, json.dumps(plan.estimate()), redact(results))
 
     loaded = []  # each dataset cell once (shards of one context length share it)
     for shard in shards:

@@ -6,11 +6,14 @@
 
 `sweep_id` and `method` live in the directory names only (DuckDB's `hive_partitioning` turns
 them into columns and prunes on them), so both are validated before they become a path. The steps
-file is written first, each file goes to a temporary name and is renamed into place, so a reader
-never sees a half-written file. A run is finished when both of its files read back with the row
-counts the runs row promises (`step_rows`); anything else (a truncated or foreign file, a lost
-steps file) is rerun by the next sweep, and `scan` / `quarantine` list and move such files aside.
-`root` is a local path or any URL pyarrow understands (s3://, gs://, file://, ...).
+file is written first, and a reader never sees a half-written file: on a file system each file goes
+to a temporary name and is renamed into place; on an object store, where a rename is a copy, each
+file is one PUT, which the store makes visible whole or not at all. A run is finished when both of
+its files read back with the row counts the runs row promises (`step_rows`); anything else (a
+truncated or foreign file, a lost steps file) is rerun by the next sweep, and `scan` / `quarantine`
+list and move such files aside. `root` is a local path or any URL pyarrow understands (s3://,
+gs://, file://, ...); an S3 URL takes its endpoint, region and credentials from the usual AWS
+environment variables or from URL options (`?endpoint_override=HOST:PORT&scheme=http&region=R`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import re
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -105,6 +110,10 @@ TABLES = {"runs": RUNS_SCHEMA, "steps": STEPS_SCHEMA, "evidence": EVIDENCE_SCHEM
 
 SWEEP_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 SWEEP_ID_MAX_LEN = 128
+PARTITION_SCHEMA = pa.schema([("sweep_id", pa.string()), ("method", pa.string())])  # the hive directories
+OBJECT_STORES = ("s3", "gcs", "abfs")  # pyarrow file systems whose PUT is atomic and whose rename is a copy
+SECRET_URL_OPTIONS = ("access_key", "secret_key", "session_token", "access_token", "account_key", "sas_token")
+READERS = 16  # footers read at once when listing readable files
 STALE_TEMP_S = 3600.0  # a temp file this old is a crashed write, whatever host wrote it
 QUARANTINE = "_quarantine"  # where `quarantine` moves broken files (outside every table's glob)
 
@@ -129,15 +138,28 @@ def default_root() -> str:
     return os.environ.get("KVCOMPRESS_RESULTS", "results")
 
 
+def redact(root: str) -> str:
+    """`root` as it may be printed or logged: credentials in a URL (`user:secret@`, `secret_key=...`)
+    replaced by `***`."""
+    root = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@?#]*@", r"\1***@", root)
+    return re.sub(rf"([?&](?:{'|'.join(SECRET_URL_OPTIONS)})=)[^&#]*", r"\1***", root)
+
+
 def _filesystem(root: str) -> tuple[pafs.FileSystem, str]:
     if "://" in root:
         try:
             return pafs.FileSystem.from_uri(root)
         except (pa.ArrowException, ValueError) as exc:
             scheme = root.split("://", 1)[0]
-            raise ConfigError(f"results: unsupported location {root!r} ({scheme}://): use a local path, file://, "
-                              f"s3://, gs:// or hdfs:// ({str(exc).splitlines()[0]})") from None
+            raise ConfigError(f"results: unsupported location {redact(root)!r} ({scheme}://): use a local path, "
+                              f"file://, s3://, gs:// or hdfs:// ({redact(str(exc).splitlines()[0])})") from None
     return pafs.LocalFileSystem(), os.path.abspath(root)
+
+
+def is_object_store(root: str) -> bool:
+    """Whether `root` is on an object store (S3, GCS, Azure): files are PUT whole, never renamed, and
+    DuckDB reads them through pyarrow (`read_files`) instead of its own network extension."""
+    return _filesystem(root)[0].type_name in OBJECT_STORES
 
 
 def check_root(root: str) -> None:
@@ -151,7 +173,7 @@ def check_root(root: str) -> None:
             out.write(b"ok")
         fs.delete_file(probe)
     except (OSError, pa.ArrowException) as exc:
-        raise ConfigError(f"results: cannot write to {root!r}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"results: cannot write to {redact(root)!r}: {redact(str(exc).splitlines()[0])}") from None
 
 
 def _inside(base: str, path: str) -> bool:
@@ -184,7 +206,9 @@ def _temp_is_stale(base_name: str, mtime_s: float | None) -> bool:
 
 
 def write_table(root: str, relative_dir: str, name: str, table: pa.Table) -> str:
-    """Write `table` to {root}/{relative_dir}/{name}.parquet atomically (temp file + rename).
+    """Write `table` to {root}/{relative_dir}/{name}.parquet atomically: on an object store one PUT
+    of the whole file (serialized first, so a failure while encoding uploads nothing); elsewhere a
+    temp file renamed into place.
 
     Refuses any path that resolves outside `root`; removes stale temp files of the same name."""
     fs, base = _filesystem(root)
@@ -192,6 +216,12 @@ def write_table(root: str, relative_dir: str, name: str, table: pa.Table) -> str
     final = f"{directory}/{name}.parquet"
     if not _inside(base, final) or "/" in name:
         raise ConfigError(f"results: refusing to write {final!r}: outside the results root {base!r}")
+    if fs.type_name in OBJECT_STORES:  # no directories to make, no rename, no temp files to sweep up
+        encoded = pa.BufferOutputStream()
+        pq.write_table(table, encoded)
+        with fs.open_output_stream(final) as out:
+            out.write(encoded.getvalue())
+        return final
     fs.create_dir(directory, recursive=True)
     temporary = f"{directory}/{_temp_name(name)}"
     pq.write_table(table, temporary, filesystem=fs)
@@ -344,12 +374,27 @@ def quarantine(root: str, problems: list[Problem]) -> list[str]:
 def readable_files(root: str, table: str) -> tuple[list[str], list[Problem]]:
     """The `*.parquet` files of one table that read as Parquet, and the ones that do not."""
     fs, base = _filesystem(root)
-    good, bad = [], []
-    for info in _parquet_files(fs, f"{base}/{table}"):
-        if info.base_name.startswith(".") or not info.base_name.endswith(".parquet"):
-            continue
-        (good if _rows(fs, info.path) is not None else bad).append(info.path)
+    paths = [i.path for i in _parquet_files(fs, f"{base}/{table}")
+             if not i.base_name.startswith(".") and i.base_name.endswith(".parquet")]
+    with ThreadPoolExecutor(READERS) as pool:  # an object store answers each footer read after a round trip
+        rows = list(pool.map(lambda path: _rows(fs, path), paths))
+    good = [p for p, n in zip(paths, rows) if n is not None]
+    bad = [p for p, n in zip(paths, rows) if n is None]
     if not isinstance(fs, pafs.LocalFileSystem):  # object stores list "bucket/key": readers need the scheme back
         scheme = root.split("://", 1)[0]
         good = [f"{scheme}://{p}" for p in good]
     return good, [Problem(p, "not readable Parquet") for p in bad]
+
+
+def read_files(root: str, table: str, paths: list[str]) -> pa.Table:
+    """The files `paths` of one table (as `readable_files` lists them) as one Arrow table, with the
+    hive columns last (`method`, `sweep_id`: DuckDB's order) and NULL for columns a file predates: how
+    reports read an object store offline (DuckDB's own reader would download its network extension)."""
+    fs, base = _filesystem(root)
+    schema = pa.unify_schemas([TABLES[table], pa.schema(sorted(PARTITION_SCHEMA, key=lambda field: field.name))])
+    if not paths:
+        return schema.empty_table()
+    dataset = pads.dataset([p.split("://", 1)[-1] for p in paths], schema=schema, format="parquet", filesystem=fs,
+                           partitioning=pads.partitioning(PARTITION_SCHEMA, flavor="hive"),
+                           partition_base_dir=f"{base}/{table}")
+    return dataset.to_table()

@@ -3,14 +3,19 @@
 # Usage: scripts/prefect_local.sh {server|pool|deploy|worker|workers N|run NAME [--param k=v ...]|stop|demo}
 # Environment (set by the Makefile): PREFECT_HOME, PREFECT_API_URL, KVCOMPRESS_HOME, VENV.
 # PREFECT_SERVER_HOST: the address the server binds, 127.0.0.1 (this machine only) by default;
-# 0.0.0.0 (or one interface's address) serves workers on other machines. The API has no
-# authentication: bind beyond loopback only on a network you trust.
+# 0.0.0.0 (or one interface's address) serves workers on other machines, and then the server refuses
+# to start without PREFECT_SERVER_API_AUTH_STRING (Prefect's basic auth, "user:password"): every
+# client, workers and `kvcompress` included, passes the same value as PREFECT_API_AUTH_STRING
+# (this script sets it from the server's when only that one is set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVCOMPRESS_HOME=${KVCOMPRESS_HOME:-$PWD}
 export PREFECT_HOME=${PREFECT_HOME:-$PWD/.prefect}
 export PREFECT_API_URL=${PREFECT_API_URL:-http://127.0.0.1:4200/api}
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
+if [ -n "${PREFECT_SERVER_API_AUTH_STRING:-}" ] && [ -z "${PREFECT_API_AUTH_STRING:-}" ]; then
+  export PREFECT_API_AUTH_STRING=$PREFECT_SERVER_API_AUTH_STRING  # this machine's clients: the server's own
+fi
 venv=${VENV:-.venv}
 case $venv in /*) ;; *) venv=$PWD/$venv ;; esac
 export PATH="$venv/bin:$PATH"
@@ -22,6 +27,7 @@ healthy() { python -c "import urllib.request,os,sys; urllib.request.urlopen(os.e
 
 server() {
   if healthy; then echo "prefect server: already up at $PREFECT_API_URL"; return; fi
+  python -m kvcompress_flows.local_server check-bind "${PREFECT_SERVER_HOST:-127.0.0.1}" || exit 2  # no auth string, no remote bind
   # the dashboard's JavaScript calls the API at PREFECT_UI_API_URL
   PREFECT_UI_API_URL=${PREFECT_UI_API_URL:-$PREFECT_API_URL} \
     nohup prefect server start --host "${PREFECT_SERVER_HOST:-127.0.0.1}" --port "$port" >"$PREFECT_HOME/server.log" 2>&1 &

@@ -9,10 +9,9 @@ from importlib import resources
 from pathlib import Path
 
 import duckdb
-import pyarrow as pa
 
 from kvcompress.errors import ConfigError
-from kvcompress.results import TABLES, default_root, readable_files
+from kvcompress.results import TABLES, default_root, is_object_store, read_files, readable_files, redact
 from kvcompress.stats import compare
 
 VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
@@ -24,7 +23,10 @@ def connect(results: str | None = None, baseline: str | None = None) -> duckdb.D
     `baseline` (a config_label) is the second reference of the `paired` report.
 
     Only files that read as Parquet are viewed: each one that does not is named in one warning
-    (`kvcompress check --repair` moves them aside). No runs at all is a `ConfigError` with a hint."""
+    (`kvcompress check --repair` moves them aside). No runs at all is a `ConfigError` with a hint.
+    Local results are read by DuckDB itself; on an object store pyarrow reads each table once (the
+    store's credentials and endpoint as the writers use them) and DuckDB queries it in memory, so
+    no report needs DuckDB's network extension (a download, impossible offline)."""
     root = (results or default_root()).rstrip("/")
     con = duckdb.connect()
     con.execute("SET VARIABLE kv_results = ?", [root])
@@ -35,26 +37,22 @@ def connect(results: str | None = None, baseline: str | None = None) -> duckdb.D
         for problem in broken:
             warnings.warn(f"skipping {problem.path}: {problem.reason} (see `kvcompress check`)", stacklevel=2)
     if not files["runs"]:
-        raise ConfigError(f"results: no runs under {root!r}: run `kvcompress sweep` first, or pass --results")
+        raise ConfigError(f"results: no runs under {redact(root)!r}: run `kvcompress sweep` first, or pass --results")
+    in_memory = is_object_store(root)
     for table, paths in files.items():
-        if paths:
+        if paths and not in_memory:
             con.execute(f"SET VARIABLE kv_{table}_files = ?", [paths])
     for statement in sql_text("views").split(";\n"):  # one view per table
         view = re.search(r"CREATE OR REPLACE VIEW (\w+) AS", statement)
-        if view and not files[view.group(1)]:  # e.g. only failed runs so far: no steps files
-            con.register(f"empty_{view.group(1)}", _empty(view.group(1)))
-            statement = f"CREATE OR REPLACE VIEW {view.group(1)} AS SELECT * FROM empty_{view.group(1)}"
+        if view and (in_memory or not files[view.group(1)]):  # (local: e.g. only failed runs so far, no steps files)
+            table = view.group(1)
+            con.register(f"kv_{table}_table", read_files(root, table, files[table]))
+            statement = f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM kv_{table}_table"
         if statement.strip():
             con.execute(statement)
     for name in VIEW_FILES[1:]:
         con.execute(_packaged(name).read_text())
     return con
-
-
-def _empty(table: str) -> pa.Table:
-    """An empty table with the schema of `table` and its hive partition columns."""
-    schema = TABLES[table].append(pa.field("sweep_id", pa.string())).append(pa.field("method", pa.string()))
-    return schema.empty_table()
 
 
 def _packaged(name: str):

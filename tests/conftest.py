@@ -27,6 +27,7 @@ os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"
 
 import kvcompress  # noqa: E402  (loads the optimized BLAS before mlx)
 from model_fixtures import tiny_llama  # noqa: E402, F401  (a fixture: pytest finds it here)
+from s3_server import s3_results, s3_server  # noqa: E402, F401  (fixtures: a real S3 API server)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +54,7 @@ def prefect_server():
 # own order (by the number of tests a file has), so a worker that frees takes the longest file left:
 # the two workers end close together. Only the order depends on these figures, never a result.
 FILE_SECONDS = {
-    "test_flow.py": 730, "test_runner.py": 460, "test_kernel_sources.py": 300, "test_cli.py": 160,
+    "test_flow.py": 730, "test_runner.py": 460, "test_kernel_sources.py": 300, "test_cli.py": 280,
     "test_reports.py": 140, "test_readme.py": 125, "test_sweep.py": 55, "test_install.py": 52,
     "test_kivi.py": 51, "test_reference_selection.py": 45, "test_model.py": 36, "test_regression.py": 27, "test_kivi_attention_cpu.py": 25,
     "test_benchmarks.py": 20, "test_architectures.py": 40,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -109,18 +110,22 @@ def _interface_address() -> str | None:
 
 
 @pytest.mark.skipif(_interface_address() is None, reason="no non-loopback interface to reach the server through")
-def test_server_binds_loopback_by_default_and_serves_other_machines_when_asked(tmp_path):
+def test_server_binds_loopback_by_default_and_serves_other_machines_only_with_an_auth_string(tmp_path):
     """The multi-machine recipe of docs/many-machines.md as far as one box allows: the script's
-    server bound with PREFECT_SERVER_HOST=0.0.0.0, a worker started with http://HOST:PORT/api (HOST
-    an interface address, not loopback) registers with it; without the variable that address is
-    refused."""
+    server bound with PREFECT_SERVER_HOST=0.0.0.0 refuses to start without an auth string; with one,
+    a client without it gets 401 and one with it gets through, the script's own clients and a worker
+    started with http://HOST:PORT/api (HOST an interface address, not loopback) pass it, and
+    `kvcompress` without it fails in one line. Without the variable that address is refused. The
+    auth string is in no log."""
     from kvcompress_flows.local_server import free_port, healthy, stop_process_group
 
     address, port = _interface_address(), free_port()
+    auth = f"kvcompress:{secrets.token_hex(16)}"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "VENV": str(Path(sys.executable).parent.parent)}
     remote_url = f"http://{address}:{port}/api"
     script = ["bash", "scripts/prefect_local.sh"]
+    worker_log = tmp_path / "worker.log"
     try:
         subprocess.run([*script, "server"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
         assert healthy(env["PREFECT_API_URL"]) and not healthy(remote_url)  # loopback only
@@ -128,31 +133,61 @@ def test_server_binds_loopback_by_default_and_serves_other_machines_when_asked(t
         deadline = time.monotonic() + 60
         while healthy(env["PREFECT_API_URL"]) and time.monotonic() < deadline:
             time.sleep(0.5)
-        subprocess.run([*script, "server"], cwd=ROOT, env={**env, "PREFECT_SERVER_HOST": "0.0.0.0"}, check=True,
-                       capture_output=True, timeout=300)
-        assert healthy(remote_url)
-        subprocess.run([*script, "pool"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+        refused = subprocess.run([*script, "server"], cwd=ROOT, env={**env, "PREFECT_SERVER_HOST": "0.0.0.0"},
+                                 capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and "PREFECT_SERVER_API_AUTH_STRING" in refused.stderr, refused.stderr
+        assert not healthy(env["PREFECT_API_URL"])
+        served = {**env, "PREFECT_SERVER_HOST": "0.0.0.0", "PREFECT_SERVER_API_AUTH_STRING": auth}
+        subprocess.run([*script, "server"], cwd=ROOT, env=served, check=True, capture_output=True, timeout=300)
+        assert healthy(remote_url)  # health is open; everything else wants the string
+        assert _api_status(remote_url, None) == 401 and _api_status(remote_url, "kvcompress:wrong") == 401
+        assert _api_status(remote_url, auth) == 200
+        subprocess.run([*script, "pool"], cwd=ROOT, env=served, check=True, capture_output=True, timeout=300)
+        line = one_line_error(kvcompress("sweep", "smoke", "--results", str(tmp_path / "r"),
+                                         env={"PREFECT_API_URL": remote_url}))
+        assert line.startswith(f"error: PREFECT_API_URL={remote_url} requires an auth string: PREFECT_API_AUTH_STRING")
         worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "kvcompress-shards",
                                    "--limit", "1", "--name", "remote"], cwd=ROOT, start_new_session=True,
-                                  env={**env, "PREFECT_API_URL": remote_url}, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.STDOUT)
+                                  env={**env, "PREFECT_API_URL": remote_url, "PREFECT_API_AUTH_STRING": auth},
+                                  stdout=worker_log.open("w"), stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 180
-            while not _worker_online(remote_url, "kvcompress-shards", "remote"):
+            while not _worker_online(remote_url, "kvcompress-shards", "remote", auth):
                 assert worker.poll() is None and time.monotonic() < deadline
                 time.sleep(1)
         finally:
             stop_process_group(worker)
     finally:
         subprocess.run([*script, "stop"], cwd=ROOT, env=env, capture_output=True, timeout=60)
+    for log in [worker_log, *(tmp_path / "home").glob("*.log")]:
+        assert auth.split(":")[1] not in log.read_text(errors="replace"), log
 
 
-def _worker_online(api_url: str, pool: str, name: str) -> bool:
+def _api_status(api_url: str, auth: str | None) -> int:
+    """The HTTP status of one authenticated API call (listing work pools) sent with `auth`."""
+    import urllib.error
+    import urllib.request
+
+    from kvcompress_flows.local_server import auth_headers
+
+    request = urllib.request.Request(f"{api_url}/work_pools/filter", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **auth_headers({"PREFECT_API_AUTH_STRING": auth} if auth else {})})
+    try:
+        return urllib.request.urlopen(request, timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _worker_online(api_url: str, pool: str, name: str, auth: str | None = None) -> bool:
     import json
     import urllib.request
 
+    from kvcompress_flows.local_server import auth_headers
+
     request = urllib.request.Request(f"{api_url}/work_pools/{pool}/workers/filter", data=b"{}", method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **auth_headers({"PREFECT_API_AUTH_STRING": auth} if auth else {})})
     try:
         workers = json.load(urllib.request.urlopen(request, timeout=5))
     except OSError:
@@ -173,3 +208,75 @@ def test_progress_bar_follows_the_in_process_sweep(monkeypatch, capsys):
     assert PROGRESS_LISTENERS == []
     err = capsys.readouterr().err
     assert "3/3" in err and "passkey #2" in err
+
+
+NIGHTLY = "import sys; from kvcompress_flows.sweep import sweep; sweep('smoke', sys.argv[1], sys.argv[2], nightly=True)"
+
+
+@pytest.mark.slow  # three sweeps of the smoke grid on the embedded model
+def test_sweep_resume_check_reports_and_nightly_regression_on_an_object_store(s3_results, tmp_path, monkeypatch):
+    """Issue 42 as a user would try it: results on a real S3 API server (credentials and region from
+    the usual AWS variables, the endpoint from URL options), flows on a Prefect server that wants an
+    auth string. A sweep writes there and ends completed, its rerun skips every finished run, a
+    nightly sweep compares itself with it, `check [--repair]`, every report and the HTML report read
+    from there; no credential shows in any output, log, artifact, stored object or HTML report."""
+    import json
+    import urllib.request
+
+    import pyarrow.parquet as pq
+
+    from kvcompress.results import _filesystem
+    from kvcompress_flows.local_server import LocalServer, auth_headers
+    from tests.s3_server import AWS_ENV, BUCKET
+
+    s3, prefix, url = s3_results
+    auth = f"kvcompress:{secrets.token_hex(16)}"
+    monkeypatch.setenv("PREFECT_SERVER_API_AUTH_STRING", auth)
+    server = LocalServer(log=tmp_path / "server.log")
+    api = server.start()
+    monkeypatch.delenv("PREFECT_SERVER_API_AUTH_STRING")
+    env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth, "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_LOGGING_TO_API_ENABLED": "true"}
+    outputs = []
+
+    def run(*command: str, code: int = 0) -> str:
+        done = subprocess.run([sys.executable, *command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        outputs.append(done.stdout + done.stderr)
+        assert done.returncode == code, done.stdout + done.stderr
+        return done.stdout + done.stderr
+
+    first, second = "smoke-20261128-020000", "smoke-20261129-020000"
+    cli = ("-m", "kvcompress_flows.cli")
+    try:
+        assert f"sweep {first}: 3 of 3 runs finished" in run(*cli, "sweep", "smoke", "--results", url, "--sweep-id", first)
+        assert "{'skipped': 3, 'ran': 0, 'failed': 0}" in run(*cli, "sweep", "smoke", "--results", url, "--sweep-id", first)
+        run("-c", NIGHTLY, url, second)
+        fs, _ = _filesystem(url)
+        regression = pq.read_table(f"{BUCKET}/{prefix}/regressions/sweep_id={second}/regression.parquet",
+                                   filesystem=fs).to_pylist()
+        assert len(regression) == 3 and not any(r["regressed"] for r in regression)  # same code, same numbers
+        report = run(*cli, "report", "--results", url, "--all", "--html", str(tmp_path / "report.html"))
+        assert "== compare_sweeps (3 rows)" in report and "== paired (6 rows)" in report  # 3 configs, 2 sweeps
+        assert "every run reads back whole" in run(*cli, "check", "--results", url)
+        key = f"{prefix}/runs/sweep_id={second}/method=full/"
+        key += s3.keys(key)[0].rsplit("/", 1)[1]
+        body = s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        s3.client().put_object(Bucket=BUCKET, Key=key, Body=body[: len(body) // 2])  # a writer cut off half-way
+        assert "1 problem(s)" in run(*cli, "check", "--results", url, code=1)
+        assert "moved 3 file(s)" in run(*cli, "check", "--results", url, "--repair")
+        assert "every run reads back whole" in run(*cli, "check", "--results", url)
+        logs, artifacts = (json.load(urllib.request.urlopen(urllib.request.Request(
+            f"{api}/{what}/filter", data=b'{"limit": 200}', method="POST",
+            headers={"Content-Type": "application/json", **auth_headers({"PREFECT_API_AUTH_STRING": auth})})))
+            for what in ("logs", "artifacts"))
+    finally:
+        server.stop()
+    assert any(f"sweep {second}: 3 of 3 runs finished" in log["message"] for log in logs)  # the flows logged here
+    assert {f"sweep-{first}-summary", f"sweep-{second}-regression"} <= {a["key"] for a in artifacts}
+    texts = [*outputs, (tmp_path / "server.log").read_text(), json.dumps(logs), json.dumps(artifacts),
+             *(p.read_text() for p in tmp_path.glob("*.html")),
+             *(s3.client().get_object(Bucket=BUCKET, Key=k)["Body"].read().decode("latin-1") for k in s3.keys(prefix))]
+    assert len(list(tmp_path.glob("*.html"))) == 2  # the CLI sweep's (in the working directory: results are remote), --html
+    for secret in (auth.split(":")[1], AWS_ENV["AWS_SECRET_ACCESS_KEY"], AWS_ENV["AWS_ACCESS_KEY_ID"]):
+        assert not [text[:200] for text in texts if secret in text]

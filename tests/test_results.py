@@ -246,3 +246,23 @@ def test_kill_9_during_writes_leaves_only_whole_runs(tmp_path):
         assert pq.read_metadata(part).num_rows == 50
     assert all(p.reason.startswith("stale temporary") for p in scan(str(root)))
     assert connect(str(root)).execute("SELECT count(*) FROM runs").fetchall()[0][0] >= len(finished)
+
+
+def test_object_store_writes_are_single_puts_and_broken_runs_are_found_and_moved_there(s3_results, tmp_path):
+    """On S3 each file is one PUT of the whole file: the versioned bucket, which keeps every object
+    ever written, holds no temporary object and no directory marker. Resume, `scan` and `quarantine`
+    work there as on a disk."""
+    s3, prefix, url = s3_results
+    write_run(url, "sw", "full", make_run("r1", "full", 1.0, 1000), make_steps("r1", [0.0] * 3, [True] * 3))
+    written = [f"{prefix}/{t}/sweep_id=sw/method=full/r1.parquet" for t in ("evidence", "runs", "steps")]
+    assert s3.keys(prefix, versions=True) == written
+    assert finished_run_ids(url, "sw") == {"r1"} and scan(url) == []
+
+    local, _, _ = _broken_results(tmp_path)
+    broken = s3.upload(local, f"{prefix}-broken")
+    problems = {p.path.split("/", 1)[1]: p.reason for p in scan(broken)}  # bucket/key: the key relative to the bucket
+    assert problems == {f"{prefix}-broken/{p.relative_to(local)}": reason
+                        for p, reason in ((Path(p), r) for p, r in ((q.path, q.reason) for q in scan(str(local))))}
+    moved = quarantine(broken, scan(broken))
+    assert len(moved) == 13 and all("/_quarantine/" in m for m in moved)
+    assert scan(broken) == [] and finished_run_ids(broken, "sw") == {"good"}

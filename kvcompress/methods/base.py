@@ -133,6 +133,22 @@ class Method:
         return {"name": cls.name, "doc": doc[0] if doc else "", "params": params}
 
 
+class PerSideBits:
+    """For quantizers with `bits` and optional `key_bits` / `value_bits` overrides (KIVI, TurboQuant)."""
+
+    @property
+    def k_bits(self) -> int:
+        return self.bits if self.key_bits is None else self.key_bits
+
+    @property
+    def v_bits(self) -> int:
+        return self.bits if self.value_bits is None else self.value_bits
+
+    def grid_columns(self) -> dict[str, float | None]:
+        # a sweep groups these rows by mean code width (K4V2 -> 3.0); they have no token budget
+        return {"budget": None, "bits": (self.k_bits + self.v_bits) / 2, "tau_init": None, "tau_end": None}
+
+
 class CompressedCache(_BaseCache):
     """Shared behaviour of kvcompress caches (see module docstring)."""
 

@@ -30,14 +30,14 @@ from mlx_lm.models.cache import create_attention_mask
 from ..kernels.kivi_attention import PackedSide, decode_attention, used_keys, used_values
 from ..kernels.kivi_quant import BITS, GROUP_SIZES, quantize_pack
 from ..errors import ConfigError, check, is_int
-from .base import CompressedCache, Method, array_bytes
+from .base import CompressedCache, Method, PerSideBits, array_bytes
 
 RESIDUAL_POLICIES = ("paper", "grouped")
 VALUE_ROWS_STEP = 256  # spare value rows allocated at a time while decoding
 
 
 @dataclass(frozen=True)
-class Kivi(Method):
+class Kivi(PerSideBits, Method):
     """KIVI: keys per channel, values per token, min/max groups, full-precision residual window.
 
     bits: code width of keys and values (2, 3, 4, 8); key_bits / value_bits override it per side
@@ -68,18 +68,6 @@ class Kivi(Method):
             ok = self.residual > 0 and self.residual % self.group_size == 0
             check(ok, "kivi.residual", f"a positive multiple of group_size ({self.group_size}) with residual_policy='paper'",
                   self.residual)
-
-    @property
-    def k_bits(self) -> int:
-        return self.bits if self.key_bits is None else self.key_bits
-
-    @property
-    def v_bits(self) -> int:
-        return self.bits if self.value_bits is None else self.value_bits
-
-    def grid_columns(self) -> dict[str, float | None]:
-        # a sweep groups KIVI rows by mean code width (K4V2 -> 3.0); KIVI has no token budget
-        return {"budget": None, "bits": (self.k_bits + self.v_bits) / 2, "tau_init": None, "tau_end": None}
 
     def layer_cache(self, layer, i, n, layout):
         if layer.head_dim % self.group_size or layer.value_dim % self.group_size:

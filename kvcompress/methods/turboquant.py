@@ -35,14 +35,14 @@ import numpy as np
 
 from ..attention import install
 from ..errors import ConfigError, check
-from .base import CompressedCache, Method, array_bytes
+from .base import CompressedCache, Method, PerSideBits, array_bytes
 
 BITS = (2, 3, 4)
 ROWS_STEP = 256  # token rows allocated at a time, as mlx-lm's KVCache
 
 
 @dataclass(frozen=True)
-class TurboQuant(Method):
+class TurboQuant(PerSideBits, Method):
     """TurboQuant: rotated Lloyd-Max codes per coordinate; keys add a 1-bit QJL residual.
 
     bits: bits per coordinate for keys and values (2, 3, 4); key_bits / value_bits override it per
@@ -62,17 +62,6 @@ class TurboQuant(Method):
         check(self.value_bits is None or self.value_bits in BITS, "turboquant.value_bits", allowed + " or None",
               self.value_bits)
         check(isinstance(self.seed, int), "turboquant.seed", "an int", self.seed)
-
-    @property
-    def k_bits(self) -> int:
-        return self.bits if self.key_bits is None else self.key_bits
-
-    @property
-    def v_bits(self) -> int:
-        return self.bits if self.value_bits is None else self.value_bits
-
-    def grid_columns(self) -> dict[str, float | None]:
-        return {"budget": None, "bits": (self.k_bits + self.v_bits) / 2, "tau_init": None, "tau_end": None}
 
     def make_cache(self, model) -> list:
         install()  # the caches attend over their codes themselves

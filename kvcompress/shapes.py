@@ -96,15 +96,21 @@ def random_model(shape: str, dtype: str = "float16", layers: int | None = None, 
     return _build(json.dumps(shape_config(shape, layers), sort_keys=True), dtype, seed)
 
 
-@functools.lru_cache(maxsize=2)
-def _build(config_json: str, dtype: str, seed: int) -> nn.Module:
+def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """(model class, args class) of a config, as mlx-lm's loader picks them; ConfigError for a
+    model_type mlx-lm does not know."""
     from mlx_lm.utils import _get_classes
 
-    config = json.loads(config_json)
     try:
-        model_class, args_class = _get_classes(config)
+        return _get_classes(config)
     except ValueError as exc:  # mlx-lm's "Model type X not supported."
         raise ConfigError(f"model.shape: {exc}") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _build(config_json: str, dtype: str, seed: int) -> nn.Module:
+    config = json.loads(config_json)
+    model_class, args_class = model_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     model.update(tree_map(lambda p: (p * WEIGHT_SCALE).astype(getattr(mx, dtype)), model.parameters()))

@@ -23,9 +23,11 @@ Taking turns puts the machine's drift (clocks, host load: single runs on the len
 from __future__ import annotations
 
 import gc
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Callable
 
 import mlx.core as mx
@@ -35,9 +37,14 @@ from . import attention
 from .errors import ConfigError
 from .kernels import dispatch
 from .memory import live_kv_bytes
-from .runner import PREFILL_CHUNK
+from .methods.base import Method
+from .model import context_window, default_dtype, load_model, model_fingerprint
+from .results import run_id
+from .runner import PREFILL_CHUNK, method_identity
+from .shapes import random_model, shape_config
 
 WARM_UP_TOKENS = 2100  # a throw-away prefill crosses one chunk boundary: both chunk shapes compile
+BATCH_PROBE_TOKENS = 64  # check_batched's prompt: room for every method's budget at its defaults
 
 
 def prompts(model, batch: int, T: int) -> mx.array:
@@ -182,12 +189,12 @@ def fit_batch(per_sequence: int, budget_bytes: int, max_batch: int | None = None
 
 
 def check_batched(model, label: str, make: Callable[[], list]) -> None:
-    """ConfigError when a cache of this kind cannot run two sequences at once (a 6-token batch-2
+    """ConfigError when a cache of this kind cannot run two sequences at once (a 64-token batch-2
     prompt, then one decode step), before anything is measured."""
     attention.install()
     try:
         caches = make()
-        logits = model(mx.zeros((2, 6), mx.int32), cache=caches)
+        logits = model(mx.zeros((2, BATCH_PROBE_TOKENS), mx.int32), cache=caches)
         mx.eval(model(greedy(logits).reshape(-1, 1), cache=caches))
     except ConfigError:
         raise
@@ -245,3 +252,75 @@ def device_name() -> str:
     except Exception:  # noqa: BLE001 (older MLX: the kind alone)
         name = ""
     return f"{device.type.name}: {name}" if name else device.type.name
+
+
+@dataclass(frozen=True)
+class SpeedModel:
+    """What a speed grid measures: a model by name (the embedded one, an mlx-lm directory or hub id,
+    as a sweep's `model:`) or a random-weight model of a shape (`kvcompress/shapes.py`)."""
+
+    name: str | None = None
+    shape: str | None = None
+    dtype: str | None = None  # None: load_model's default (float16 on a GPU, float32 on a CPU)
+    layers: int | None = None  # shapes only: keep the first N layers
+
+    def resolved_dtype(self) -> str:
+        return self.dtype or str(default_dtype()).removeprefix("mlx.core.")
+
+    def load(self):
+        if self.shape is not None:
+            return random_model(self.shape, self.resolved_dtype(), self.layers)
+        return load_model(self.name, self.resolved_dtype())[0]
+
+    def label(self) -> str:
+        """How the `speed` table's `model` column names it."""
+        if self.shape is None:
+            return self.name
+        return self.shape + (f" ({self.layers} layers)" if self.layers else "") + " random"
+
+    def identity(self) -> dict:
+        """The model's part of a measurement's id: the whole shape config, or the weights' fingerprint."""
+        if self.shape is not None:
+            return {"shape": self.shape, "config": shape_config(self.shape, self.layers), "dtype": self.resolved_dtype()}
+        return {"model": self.name, "model_fingerprint": model_fingerprint(self.name), "dtype": self.resolved_dtype()}
+
+    def context_window(self) -> int | None:
+        if self.shape is not None:
+            return shape_config(self.shape).get("max_position_embeddings")
+        return context_window(self.name)
+
+
+def measurement_config(model: SpeedModel, method: Method, context_tokens: int, batch: int | None,
+                       kv_budget_bytes: int | None, steps: int, rounds: int, warmup: int, prefill_rounds: int) -> dict:
+    """The full configuration of one measurement: what its id hashes and the `config` column holds.
+    Under a budget the batch is found by measuring, so the budget, not the batch, is its identity."""
+    config = {"kind": "speed", "model": model.identity(), "method": method_identity(method),
+              "context_tokens": context_tokens, "steps": steps, "rounds": rounds, "warmup": warmup,
+              "prefill_rounds": prefill_rounds, "device": device_name(), "mlx": mx.__version__}
+    config.update({"batch": batch} if kv_budget_bytes is None else {"kv_budget_bytes": kv_budget_bytes})
+    if method.revision:
+        config["method_revision"] = method.revision
+    return config
+
+
+def measurement_rows(run: Measured | None, config: dict, model: SpeedModel, method: Method, batch: int,
+                     kv_budget_bytes: int | None, per_sequence: int | None, weights: int,
+                     error: str | None = None) -> list[dict]:
+    """The `speed` table's rows of one measurement: one per round (decode and prefill rounds may
+    differ in number: the shorter one's columns are null past its end), or one error row."""
+    base = dict(run_id=run_id(config), model=model.label(), dtype=model.resolved_dtype(), device=config["device"],
+                context_tokens=config["context_tokens"], batch=batch, kv_budget_bytes=kv_budget_bytes,
+                kv_bytes_per_sequence=per_sequence, decode_steps=config["steps"], weight_bytes=weights,
+                config_label=method.label(), config=json.dumps(config, sort_keys=True),
+                created_at=datetime.now(timezone.utc))
+    if run is None:
+        return [{**base, "round": None, "status": "error", "error": error}]
+    rounds = max(len(run.decode_ms), len(run.prefill_s))
+    at = lambda values, i: values[i] if i < len(values) else None  # noqa: E731
+    return [{**base, "round": i, "status": "ok", "error": None,
+             "decode_ms": at(run.decode_ms, i), "host_ms": at(run.host_ms, i), "pipelined_ms": at(run.pipelined_ms, i),
+             "decode_tok_s": batch * 1e3 / run.decode_ms[i] if i < len(run.decode_ms) else None,
+             "pipelined_tok_s": batch * 1e3 / run.pipelined_ms[i] if i < len(run.pipelined_ms) else None,
+             "prefill_s": at(run.prefill_s, i), "live_kv_bytes": run.live_kv_bytes,
+             "peak_memory_bytes": run.peak_memory_bytes, "kernels": json.dumps(run.kernels, sort_keys=True)}
+            for i in range(rounds)]

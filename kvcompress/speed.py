@@ -276,7 +276,7 @@ class SpeedModel:
         """How the `speed` table's `model` column names it."""
         if self.shape is None:
             return self.name
-        return self.shape + (f" ({self.layers} layers)" if self.layers else "") + " random"
+        return f"{self.shape} random" + (f" ({self.layers} layers)" if self.layers else "")
 
     def identity(self) -> dict:
         """The model's part of a measurement's id: the whole shape config, or the weights' fingerprint."""

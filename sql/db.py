@@ -16,15 +16,17 @@ from kvcompress.results import TABLES, default_root, readable_files
 from kvcompress.stats import compare
 
 VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
-DEFAULT_REPORTS = ("summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps")
+DEFAULT_REPORTS = ("summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
+                   "compare_sweeps")
 
 
 def connect(results: str | None = None, baseline: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with the `runs`, `steps` and `run_scores` views over `results`;
-    `baseline` (a config_label) is the second reference of the `paired` report.
+    """An in-memory DuckDB with the `runs`, `steps`, `evidence`, `speed` and `run_scores` views over
+    `results`; `baseline` (a config_label) is the second reference of the `paired` report.
 
     Only files that read as Parquet are viewed: each one that does not is named in one warning
-    (`kvcompress check --repair` moves them aside). No runs at all is a `ConfigError` with a hint."""
+    (`kvcompress check --repair` moves them aside). No runs and no speed measurements at all is a
+    `ConfigError` with a hint."""
     root = (results or default_root()).rstrip("/")
     con = duckdb.connect()
     con.execute("SET VARIABLE kv_results = ?", [root])
@@ -34,7 +36,7 @@ def connect(results: str | None = None, baseline: str | None = None) -> duckdb.D
         files[table], broken = readable_files(root, table)
         for problem in broken:
             warnings.warn(f"skipping {problem.path}: {problem.reason} (see `kvcompress check`)", stacklevel=2)
-    if not files["runs"]:
+    if not files["runs"] and not files["speed"]:
         raise ConfigError(f"results: no runs under {root!r}: run `kvcompress sweep` first, or pass --results")
     for table, paths in files.items():
         if paths:
@@ -159,6 +161,7 @@ def sweep_ids(results: str | None | duckdb.DuckDBPyConnection) -> list[str]:
     """Sweeps under `results` (a root or a connection to one), the one with the newest run first."""
     con = results if isinstance(results, duckdb.DuckDBPyConnection) else connect(results)
     rows = con.sql(  # connect: a ConfigError with a hint when there are no runs at all
-        "SELECT sweep_id FROM runs GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
+        "SELECT sweep_id FROM (SELECT sweep_id, created_at FROM runs UNION ALL SELECT sweep_id, created_at FROM speed) "
+        "GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
     ).fetchall()
     return [r[0] for r in rows]

@@ -71,7 +71,8 @@ def check_speed_plan(plan: SpeedPlan) -> None:
     errors = []
     for method in plan.methods if batched else ():
         try:
-            speed.check_batched(model, method.label(), lambda m=method: m.make_cache(model))
+            speed.check_batched(model, method.label(), lambda m=method: m.make_cache(model),
+                                min(speed.BATCH_PROBE_TOKENS, *(g.context_tokens for g in plan.groups)))
         except ConfigError as exc:
             errors.append(str(exc))
     if errors:

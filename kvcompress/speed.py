@@ -44,7 +44,7 @@ from .runner import PREFILL_CHUNK, method_identity
 from .shapes import random_model, shape_config
 
 WARM_UP_TOKENS = 2100  # a throw-away prefill crosses one chunk boundary: both chunk shapes compile
-BATCH_PROBE_TOKENS = 64  # check_batched's prompt: room for every method's budget at its defaults
+BATCH_PROBE_TOKENS = 256  # check_batched's prompt (at most): room for every method's budget at its defaults
 
 
 def prompts(model, batch: int, T: int) -> mx.array:
@@ -188,13 +188,13 @@ def fit_batch(per_sequence: int, budget_bytes: int, max_batch: int | None = None
     return min(fits, max_batch) if max_batch else fits
 
 
-def check_batched(model, label: str, make: Callable[[], list]) -> None:
-    """ConfigError when a cache of this kind cannot run two sequences at once (a 64-token batch-2
-    prompt, then one decode step), before anything is measured."""
+def check_batched(model, label: str, make: Callable[[], list], tokens: int = BATCH_PROBE_TOKENS) -> None:
+    """ConfigError when a cache of this kind cannot run two sequences at once (a batch of two
+    `tokens`-token prompts, then one decode step), before anything is measured."""
     attention.install()
     try:
         caches = make()
-        logits = model(mx.zeros((2, BATCH_PROBE_TOKENS), mx.int32), cache=caches)
+        logits = model(mx.zeros((2, tokens), mx.int32), cache=caches)
         mx.eval(model(greedy(logits).reshape(-1, 1), cache=caches))
     except ConfigError:
         raise

@@ -197,7 +197,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_grid_schema(args) -> int:
-    print(json.dumps(grid_schema(), indent=2))
+    print(json.dumps(grid_schema(args.kind), indent=2))
     return 0
 
 
@@ -247,6 +247,7 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_methods)
 
     g = sub.add_parser("grid-schema", help="print the JSON Schema of a sweep grid file (for editors)")
+    g.add_argument("--kind", choices=["quality", "speed"], default="quality", help="a quality grid or a speed grid")
     g.set_defaults(func=cmd_grid_schema)
     return p
 

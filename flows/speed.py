@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from kvcompress.results import check_root, default_root, validate_sweep_id
+from kvcompress.results import check_root, default_root, failed_speed_measurements, validate_sweep_id
 from kvcompress.sweep import SpeedSpec, SweepError, load_spec
 from kvcompress_reports import connect, run_report
 from kvcompress_reports.render import format_markdown
@@ -25,7 +25,8 @@ def speed(grid: str | dict[str, Any] | SpeedSpec = "speed-cpu", results: str | N
           sweep_id: str | None = None) -> list[dict]:
     """Measure every cache of `grid` (a built-in grid name, a YAML path, a mapping, or a parsed spec)
     into `results`' `speed` table. Reruns with the same sweep id (default: the grid's name) skip
-    finished measurements. Returns the throughput report's rows of this sweep."""
+    finished measurements. Returns the throughput report's rows of this sweep; ends failed, after
+    the report, when a measurement failed (a cache that does not fit the budget, say)."""
     logger = get_run_logger()
     results = results or default_root()
     if sweep_id is not None:
@@ -48,4 +49,8 @@ def speed(grid: str | dict[str, Any] | SpeedSpec = "speed-cpu", results: str | N
         markdown=f"### throughput\n\n{format_markdown(columns, rows)}\n",
         description=f"throughput report of speed sweep {sweep_id} ({len(rows)} rows, "
                     f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)")
+    failed = failed_speed_measurements(results, sweep_id)
+    if failed:  # after the report, so what did run is published; the sweep itself ends failed
+        lines = "; ".join(f"{cell}: {error.splitlines()[0][:200]}" for cell, error in failed.items())
+        raise RuntimeError(f"speed {sweep_id}: {len(failed)} measurement(s) failed: {lines}")
     return [dict(zip(columns, r)) for r in rows]

@@ -263,6 +263,25 @@ def finished_speed_ids(root: str, sweep_id: str) -> set[str]:
             and _rows(fs, info.path)}
 
 
+def failed_speed_measurements(root: str, sweep_id: str) -> dict[str, str]:
+    """{"config_label @ context_tokens": its error} for every measurement of a speed sweep that
+    ended in an error (a cache that does not fit the budget, a failed prefill): such a sweep must not
+    end "Completed" with the cache silently absent from its report."""
+    fs, base = _filesystem(root)
+    failed = {}
+    for info in _parquet_files(fs, f"{base}/speed/sweep_id={sweep_id}"):
+        if info.base_name.startswith(".") or not info.base_name.endswith(".parquet"):
+            continue
+        try:
+            row = pq.read_table(info.path, filesystem=fs, columns=["config_label", "context_tokens", "status",
+                                                                   "error"]).to_pylist()[0]
+        except (OSError, pa.ArrowException, IndexError):
+            continue
+        if row["status"] != "ok":
+            failed[f"{row['config_label']} @ {row['context_tokens']}"] = row["error"] or row["status"]
+    return dict(sorted(failed.items()))
+
+
 @dataclass(frozen=True)
 class Problem:
     """A file under a results root that no report or resume should trust."""

@@ -465,11 +465,13 @@ def parse_spec(data: Any) -> SweepSpec | SpeedSpec:
         raise SweepError(_messages(exc, KINDS[kind])) from None
 
 
-def grid_schema() -> dict[str, Any]:
-    """The JSON Schema of a grid file (for editors: yaml-language-server, VS Code, ...)."""
-    schema = SweepSpec.model_json_schema()
+def grid_schema(kind: str = "quality") -> dict[str, Any]:
+    """The JSON Schema of a grid file of `kind` (for editors: yaml-language-server, VS Code, ...)."""
+    if kind not in KINDS:
+        raise ConfigError(f"--kind: expected one of {list(KINDS)}, got {kind!r}")
+    schema = KINDS[kind].model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "kvcompress sweep grid"
+    schema["title"] = "kvcompress sweep grid" if kind == "quality" else "kvcompress speed grid"
     return schema
 
 

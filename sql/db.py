@@ -15,7 +15,8 @@ from kvcompress.errors import ConfigError
 from kvcompress.results import TABLES, default_root, readable_files
 from kvcompress.stats import compare
 
-VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
+RAW_VIEWS = ("views", "speed_views")  # views over the Parquet tables (speed: the speed sweep's)
+VIEW_FILES = ("views.sql", "speed_views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
 DEFAULT_REPORTS = ("summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
                    "compare_sweeps")
 
@@ -41,14 +42,14 @@ def connect(results: str | None = None, baseline: str | None = None) -> duckdb.D
     for table, paths in files.items():
         if paths:
             con.execute(f"SET VARIABLE kv_{table}_files = ?", [paths])
-    for statement in sql_text("views").split(";\n"):  # one view per table
+    for statement in ";\n".join(sql_text(name) for name in RAW_VIEWS).split(";\n"):  # one view per table
         view = re.search(r"CREATE OR REPLACE VIEW (\w+) AS", statement)
         if view and not files[view.group(1)]:  # e.g. only failed runs so far: no steps files
             con.register(f"empty_{view.group(1)}", _empty(view.group(1)))
             statement = f"CREATE OR REPLACE VIEW {view.group(1)} AS SELECT * FROM empty_{view.group(1)}"
         if statement.strip():
             con.execute(statement)
-    for name in VIEW_FILES[1:]:
+    for name in VIEW_FILES[len(RAW_VIEWS):]:
         con.execute(_packaged(name).read_text())
     return con
 
@@ -86,7 +87,7 @@ def sql_text(name_or_path: str) -> str:
 
 def check_report(name_or_path: str) -> None:
     """Raise the `ConfigError` of an unknown report name before any query runs."""
-    if Path(name_or_path).stem in ("views", "run_scores") and not name_or_path.endswith(".sql"):
+    if Path(name_or_path).stem in (*RAW_VIEWS, "run_scores") and not name_or_path.endswith(".sql"):
         raise ConfigError(f"--report: expected a .sql file or one of {report_names()}, got {name_or_path!r}")
     sql_text(name_or_path)
 

@@ -6,7 +6,7 @@
 -- with given batches (kv_budget_gib null) every cache runs the same batch.
 -- decode_tok_s: synchronous, sequences x steps per second; pipelined_tok_s: as mlx_lm.generate runs;
 -- host_ms: building a step's graph; prefill_s: the batch's prefill (time to first token).
--- Needs views.sql.
+-- Needs speed_views.sql.
 WITH measured AS (
     SELECT *, coalesce('kv ' || kv_budget_bytes, 'batch ' || batch) AS setting
     FROM speed

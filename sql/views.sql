@@ -1,7 +1,7 @@
 -- Views every report reads. Set the results root first:
 --   SET VARIABLE kv_results = 'results';   (a path or URL)
 -- sweep_id and method come from the hive directories (read as text, never guessed numeric).
--- `kvcompress report` also sets kv_runs_files / kv_steps_files / kv_evidence_files / kv_speed_files to the files that read as
+-- `kvcompress report` also sets kv_runs_files / kv_steps_files / kv_evidence_files to the files that read as
 -- Parquet, so one corrupt file is skipped with a warning instead of failing every report.
 CREATE OR REPLACE VIEW runs AS
 SELECT *
@@ -19,12 +19,5 @@ FROM read_parquet(coalesce(getvariable('kv_steps_files'), [getvariable('kv_resul
 CREATE OR REPLACE VIEW evidence AS
 SELECT *
 FROM read_parquet(coalesce(getvariable('kv_evidence_files'), [getvariable('kv_results') || '/evidence/**/*.parquet']),
-                  hive_partitioning = true, union_by_name = true,
-                  hive_types = {'sweep_id': VARCHAR, 'method': VARCHAR});
-
--- speed: the speed sweep's measurements, one row per measurement and round (docs/speed.md)
-CREATE OR REPLACE VIEW speed AS
-SELECT *
-FROM read_parquet(coalesce(getvariable('kv_speed_files'), [getvariable('kv_results') || '/speed/**/*.parquet']),
                   hive_partitioning = true, union_by_name = true,
                   hive_types = {'sweep_id': VARCHAR, 'method': VARCHAR});

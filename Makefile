@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup demo server pool deploy worker workers default-run report stop test benchmarks
+.PHONY: setup demo server pool deploy worker workers default-run report speed stop test benchmarks
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
@@ -37,6 +37,10 @@ default-run: setup
 
 report: setup
 	$(VENV)/bin/kvcompress report
+
+# decode throughput at equal KV memory on the embedded model (kvcompress/grids/speed-cpu.yaml, docs/speed.md)
+speed: setup
+	$(VENV)/bin/kvcompress sweep speed-cpu
 
 # two processes, a test file to each at a time (so module fixtures, the Prefect deployment among them,
 # are made once): many tests wait on subprocesses (Prefect servers, workers, sweeps) while the other

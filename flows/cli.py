@@ -14,7 +14,7 @@ import kvcompress  # noqa: F401  (loads the optimized BLAS before anything impor
 from kvcompress.errors import ConfigError
 from kvcompress.methods import list_methods
 from kvcompress.results import check_root, default_root, quarantine, redact, scan, validate_sweep_id
-from kvcompress.sweep import grid_schema, load_spec
+from kvcompress.sweep import SpeedPlan, SpeedSpec, grid_schema, load_spec
 
 SCREEN_WIDTH = 120  # the one-screen report's width (kvcompress_reports.render.SCREEN_WIDTH)
 
@@ -93,6 +93,8 @@ def cmd_sweep(args) -> int:
     if args.sweep_id is not None:
         validate_sweep_id(args.sweep_id, "--sweep-id")
     plan = spec.plan()  # validates every cell (a SweepError lists them all); the flow reuses it
+    if isinstance(spec, SpeedSpec):
+        return speed_sweep(args, spec, plan)
     if args.dry_run:
         for config in plan.methods:
             print(config.to_json())
@@ -107,6 +109,25 @@ def cmd_sweep(args) -> int:
 
         sweep(grid=spec, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
               shard_timeout_s=args.shard_timeout)
+    print_screen(args.results, args.sweep_id or spec.name)
+    return 0
+
+
+def speed_sweep(args, spec: SpeedSpec, plan: SpeedPlan) -> int:
+    """A speed grid (`kind: speed`): the speed flow in-process, then its throughput report."""
+    if args.dry_run:
+        print(f"model {plan.model.label()} ({plan.model.resolved_dtype()})")
+        for config in plan.methods:
+            print(config.to_json())
+        for group in plan.groups:
+            print(f"group {group.describe()}")
+        print(json.dumps(plan.estimate()))
+        return 0
+    check_root(args.results)
+    with prefect_api():
+        from kvcompress_flows.speed import speed
+
+        speed(grid=spec, results=args.results, sweep_id=args.sweep_id)
     print_screen(args.results, args.sweep_id or spec.name)
     return 0
 
@@ -200,7 +221,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_grid_schema(args) -> int:
-    print(json.dumps(grid_schema(), indent=2))
+    print(json.dumps(grid_schema(args.kind), indent=2))
     return 0
 
 
@@ -215,7 +236,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     results_help = "results root: a path or URL (default $KVCOMPRESS_RESULTS or ./results)"
 
-    s = sub.add_parser("sweep", help="run a sweep in-process (the same flow as the deployments)")
+    s = sub.add_parser("sweep", help="run a sweep (or a speed grid) in-process (the same flows as the deployments)")
     s.add_argument("grid", nargs="?", default="default", help="built-in grid name or YAML file")
     s.add_argument("--results", default=None, help=results_help)
     s.add_argument("--sweep-id", default=None, help="name of this set of results (default: the grid's name)")
@@ -250,6 +271,7 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_methods)
 
     g = sub.add_parser("grid-schema", help="print the JSON Schema of a sweep grid file (for editors)")
+    g.add_argument("--kind", choices=["quality", "speed"], default="quality", help="a quality grid or a speed grid")
     g.set_defaults(func=cmd_grid_schema)
     return p
 

@@ -1,15 +1,19 @@
 """Execute one sweep shard with resume: load (cached) model and samples, skip finished runs,
-write each run the moment it finishes. Used by the Prefect task and by tests alike."""
+write each run the moment it finishes; and one group of a speed sweep likewise. Used by the
+Prefect tasks and by tests alike."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import traceback
+from typing import Any, Callable, Mapping
 
-from . import datasets
+from . import datasets, speed
+from .adapter import native_cache
+from .errors import ConfigError
 from .model import context_window, load_model, load_tokenizer, model_fingerprint
-from .results import finished_run_ids, run_id, write_run
+from .results import finished_run_ids, finished_speed_ids, run_id, write_run, write_speed
 from .runner import RunContext, run_sample
-from .sweep import Shard
+from .sweep import Shard, SpeedGroup, SpeedPlan, SweepError
 
 _SAMPLES: dict[tuple, list[dict]] = {}  # (dataset, frozen params, model) -> samples, a few per process
 _SAMPLES_KEPT = 8
@@ -57,3 +61,61 @@ def execute_shard(shard: Shard, model_name: str, decode_steps: int | None, sweep
                          protocols=shard.protocols, pending=lambda config: run_id(config) not in finished)
     total = len(samples) * len(shard.methods) * len(shard.protocols)
     return {"skipped": total - len(records), "ran": len(records), "failed": sum(r.run["status"] != "ok" for r in records)}
+
+
+def check_speed_plan(plan: SpeedPlan) -> None:
+    """Before any measurement: the model loads and every cache that will run more than one sequence
+    runs a batch of two (ConfigError naming each that does not)."""
+    model = plan.model.load()
+    batched = any(g.batch is None or g.batch > 1 for g in plan.groups)
+    errors = []
+    for method in plan.methods if batched else ():
+        try:
+            speed.check_batched(model, method.label(), lambda m=method: m.make_cache(model),
+                                min(speed.BATCH_PROBE_TOKENS, *(g.context_tokens for g in plan.groups)))
+        except ConfigError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise SweepError(errors)
+
+
+def execute_speed_group(plan: SpeedPlan, group: SpeedGroup, sweep_id: str, results: str,
+                        log: Callable[[str], None] = lambda line: None) -> dict:
+    """Measure a group's unfinished caches, taking turns (kvcompress/speed.py), and write each
+    measurement; returns counts {"skipped", "ran", "failed"}."""
+    finished = finished_speed_ids(results, sweep_id)
+    pending = [m for m in plan.methods if run_id(plan.measurement_config(group, m)) not in finished]
+    if not pending:
+        return {"skipped": len(plan.methods), "ran": 0, "failed": 0}
+    model = plan.model.load()
+    weights = speed.weight_bytes(model)
+    T = group.context_tokens
+    # untimed, at this length: a process's first long prefill runs ~2x slower (H200, 32k: 2.77 s, then
+    # 1.27-1.57 s), and the cache timed first would pay for it
+    speed.prefill(model, native_cache(model), speed.prompts(model, 1, T))
+    measured, failed = [], []
+    for method in pending:
+        config = plan.measurement_config(group, method)
+        make = lambda m=method: m.make_cache(model)  # noqa: E731
+        per_sequence, batch = None, group.batch
+        try:
+            if group.kv_budget_bytes is not None:
+                per_sequence = speed.bytes_per_sequence(model, make, T)
+                batch = speed.fit_batch(per_sequence, group.kv_budget_bytes, plan.max_batch)
+                if batch == 0:
+                    raise ConfigError(f"{method.label()}: one {T}-token sequence holds {per_sequence} bytes of KV, "
+                                      f"more than the budget of {group.kv_budget_bytes}")
+            run = speed.prepare(model, method.label(), make, T, batch, plan.warmup)
+            log(f"{method.label()} @ {group.describe()}: batch {batch}, {run.live_kv_bytes / 2**20:.1f} MiB KV, "
+                f"prefill {run.prefill_s[0]:.2f} s")
+            measured.append((method, config, batch, per_sequence, run))
+        except Exception as exc:  # noqa: BLE001 (recorded; the other caches go on)
+            error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+            failed.append(method)
+            write_speed(results, sweep_id, method.name, speed.measurement_rows(
+                None, config, plan.model, method, batch or 0, group.kv_budget_bytes, per_sequence, weights, error))
+    speed.take_turns(model, [run for *_, run in measured], plan.steps, plan.rounds, plan.prefill_rounds, log)
+    for method, config, batch, per_sequence, run in measured:
+        write_speed(results, sweep_id, method.name, speed.measurement_rows(
+            run, config, plan.model, method, batch, group.kv_budget_bytes, per_sequence, weights))
+    return {"skipped": len(plan.methods) - len(pending), "ran": len(measured), "failed": len(failed)}

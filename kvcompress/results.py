@@ -1,8 +1,9 @@
-"""Run results as two hive-partitioned Parquet datasets, one file per run, written atomically.
+"""Run results as hive-partitioned Parquet datasets, one file per run, written atomically.
 
     {root}/runs/sweep_id={sweep}/method={method}/{run_id}.parquet    one row per run
     {root}/steps/sweep_id={sweep}/method={method}/{run_id}.parquet   one row per decode step
     {root}/evidence/sweep_id={sweep}/method={method}/{run_id}.parquet  per layer and stage
+    {root}/speed/sweep_id={sweep}/method={method}/{run_id}.parquet   a speed measurement, one row per round
 
 `sweep_id` and `method` live in the directory names only (DuckDB's `hive_partitioning` turns
 them into columns and prunes on them), so both are validated before they become a path. The steps
@@ -105,7 +106,38 @@ EVIDENCE_SCHEMA = pa.schema(
     ]
 )
 
-TABLES = {"runs": RUNS_SCHEMA, "steps": STEPS_SCHEMA, "evidence": EVIDENCE_SCHEMA}
+# the speed sweep's measurements (kvcompress/speed.py): one row per measurement and round
+SPEED_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),  # hash of the measurement's config (`config`)
+        ("model", pa.string()),  # a model name, or "SHAPE random" for random weights of a named shape
+        ("dtype", pa.string()),
+        ("device", pa.string()),  # e.g. "gpu: NVIDIA H200"
+        ("context_tokens", pa.int64()),  # tokens of each prompt
+        ("batch", pa.int64()),  # sequences decoded together
+        ("kv_budget_bytes", pa.int64()),  # the KV budget the batch was fitted to; null: the batch was given
+        ("kv_bytes_per_sequence", pa.int64()),  # measured KV of one sequence after its prompt (budget runs)
+        ("round", pa.int64()),  # 0.. (the caches of a group took turns in each); null on an error row
+        ("status", pa.string()),  # ok | error
+        ("error", pa.string()),
+        ("decode_steps", pa.int64()),  # steps per round, each way (synchronous, pipelined)
+        ("decode_ms", pa.float64()),  # median synchronous ms a step in this round
+        ("decode_tok_s", pa.float64()),  # batch x 1000 / decode_ms
+        ("host_ms", pa.float64()),  # median ms to build a step's graph on the host
+        ("pipelined_ms", pa.float64()),  # ms a step pipelined as mlx_lm.generate runs
+        ("pipelined_tok_s", pa.float64()),
+        ("prefill_s", pa.float64()),  # this round's timed prefill of the batch (time to first token)
+        ("live_kv_bytes", pa.int64()),  # resident KV of the whole batch after its prompts
+        ("peak_memory_bytes", pa.int64()),  # weights + this cache's prefill peak, as if it ran alone
+        ("weight_bytes", pa.int64()),
+        ("kernels", pa.string()),  # JSON {"kernel/backend/dtype": "fused" | "reference"}
+        ("config_label", pa.string()),
+        ("config", pa.string()),  # JSON of the full measurement configuration (what run_id hashes)
+        ("created_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+TABLES = {"runs": RUNS_SCHEMA, "steps": STEPS_SCHEMA, "evidence": EVIDENCE_SCHEMA, "speed": SPEED_SCHEMA}
 
 
 SWEEP_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -242,6 +274,42 @@ def write_run(root: str, sweep_id: str, method: str, run: dict[str, Any], steps:
     for table, rows in (("steps", steps), ("evidence", evidence or []), ("runs", [run])):
         partition = f"{table}/sweep_id={sweep_id}/method={method}"
         write_table(root, partition, run["run_id"], pa.Table.from_pylist(rows, schema=TABLES[table]))
+
+
+def write_speed(root: str, sweep_id: str, method: str, rows: list[dict[str, Any]]) -> None:
+    """Write one speed measurement's rows (every round, or its error row) as one file: it is there
+    whole or not at all, so a file that reads back is a finished measurement."""
+    validate_sweep_id(sweep_id)
+    validate_sweep_id(method, "method")
+    write_table(root, f"speed/sweep_id={sweep_id}/method={method}", rows[0]["run_id"],
+                pa.Table.from_pylist(rows, schema=SPEED_SCHEMA))
+
+
+def finished_speed_ids(root: str, sweep_id: str) -> set[str]:
+    """Run ids of a speed sweep's measurements whose file reads back (whatever their status)."""
+    fs, base = _filesystem(root)
+    return {info.base_name[: -len(".parquet")] for info in _parquet_files(fs, f"{base}/speed/sweep_id={sweep_id}")
+            if not info.base_name.startswith(".") and info.base_name.endswith(".parquet")
+            and _rows(fs, info.path)}
+
+
+def failed_speed_measurements(root: str, sweep_id: str) -> dict[str, str]:
+    """{"config_label @ context_tokens": its error} for every measurement of a speed sweep that
+    ended in an error (a cache that does not fit the budget, a failed prefill): such a sweep must not
+    end "Completed" with the cache silently absent from its report."""
+    fs, base = _filesystem(root)
+    failed = {}
+    for info in _parquet_files(fs, f"{base}/speed/sweep_id={sweep_id}"):
+        if info.base_name.startswith(".") or not info.base_name.endswith(".parquet"):
+            continue
+        try:
+            row = pq.read_table(info.path, filesystem=fs, columns=["config_label", "context_tokens", "status",
+                                                                   "error"]).to_pylist()[0]
+        except (OSError, pa.ArrowException, IndexError):
+            continue
+        if row["status"] != "ok":
+            failed[f"{row['config_label']} @ {row['context_tokens']}"] = row["error"] or row["status"]
+    return dict(sorted(failed.items()))
 
 
 @dataclass(frozen=True)

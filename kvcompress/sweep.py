@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -53,6 +53,8 @@ from .methods.base import Method
 from .model import context_window
 from .results import validate_sweep_id
 from .runner import PROTOCOLS
+from .shapes import DTYPES, SHAPES, model_classes, shape_config
+from .speed import SpeedModel, measurement_config
 
 GRIDS_DIR = Path(__file__).parent / "grids"
 
@@ -183,6 +185,7 @@ class Plan:
 class SweepSpec(_Strict):
     """A sweep grid (YAML). `kvcompress grid-schema` prints its JSON Schema."""
 
+    kind: Literal["quality"] = Field(default="quality", description="quality (this grid) or speed (SpeedSpec)")
     name: str = Field(default="sweep", description="the sweep id unless --sweep-id / sweep_id is given")
     model: str = "smollm2-135m"
     decode_steps: int | None = Field(
@@ -237,8 +240,6 @@ class SweepSpec(_Strict):
             errors.append(f"run_timeout_s: expected a number of seconds > 0 or null, got {self.run_timeout_s!r}")
         if not self.datasets:
             errors.append("datasets: expected at least one dataset")
-        if not self.methods:
-            errors.append("methods: expected at least one method")
         for i, axis in enumerate(self.datasets):
             for length in axis.context_tokens:
                 try:
@@ -249,15 +250,7 @@ class SweepSpec(_Strict):
                     errors.append(f"datasets[{i}] ({axis.name}).context_tokens: expected at most {window} (the "
                                   f"context window of {self.model}), got {length}; set `allow_beyond_window: true` "
                                   f"to run it anyway (its runs are marked)")
-        configs: list[Method] = []
-        for i, axis in enumerate(self.methods):
-            for params in axis.cells():
-                try:
-                    configs.append(method_config(axis.name, **params))
-                except (ConfigError, TypeError) as exc:
-                    errors.append(f"methods[{i}] ({axis.name} {params}): {exc}")
-        duplicates = {c.label() for c in configs if sum(d == c for d in configs) > 1}
-        errors += [f"methods: duplicate cell {d}" for d in sorted(duplicates)]
+        configs = _method_cells(self.methods, errors)
         if errors:
             raise SweepError(errors)
         return tuple(configs)
@@ -269,6 +262,152 @@ class SweepSpec(_Strict):
         except ConfigError:
             return None
 
+class RandomModel(_Strict):
+    """Random weights of an mlx-lm shape: a decode step's time does not depend on the weights' values."""
+
+    shape: str = Field(description=f"one of {sorted(SHAPES)}, or a config.json path (or its directory)")
+    dtype: str = Field(default="float16", description=f"one of {list(DTYPES)}")
+    layers: int | None = Field(default=None, description="keep the first N layers (smoke runs); null: all")
+
+
+@dataclass(frozen=True)
+class SpeedGroup:
+    """The caches measured together, taking turns: one context length at one batch or KV budget."""
+
+    context_tokens: int
+    batch: int | None  # the batch every cache runs at, or None: each cache's largest under the budget
+    kv_budget_bytes: int | None
+
+    def describe(self) -> str:
+        setting = f"batch {self.batch}" if self.batch is not None else f"KV budget {self.kv_budget_bytes / 2**30:g} GiB"
+        return f"{self.context_tokens} tokens, {setting}"
+
+
+@dataclass(frozen=True)
+class SpeedPlan:
+    """A validated speed grid: what a speed sweep measures."""
+
+    name: str
+    model: SpeedModel
+    steps: int
+    rounds: int
+    warmup: int
+    prefill_rounds: int
+    max_batch: int | None
+    methods: tuple[Method, ...]
+    groups: tuple[SpeedGroup, ...]
+
+    @property
+    def runs(self) -> int:
+        return len(self.groups) * len(self.methods)
+
+    def measurement_config(self, group: SpeedGroup, method: Method) -> dict[str, Any]:
+        return measurement_config(self.model, method, group.context_tokens, group.batch, group.kv_budget_bytes,
+                                  self.steps, self.rounds, self.warmup, self.prefill_rounds)
+
+    def estimate(self) -> dict[str, Any]:
+        """Measurements and groups for `--dry-run` (a time estimate would need the device's speed)."""
+        return {"kind": "speed", "measurements": self.runs, "groups": len(self.groups), "methods": len(self.methods),
+                "decode_steps_per_measurement": self.warmup + 2 * self.steps * self.rounds}
+
+
+class SpeedSpec(_Strict):
+    """A speed grid (`kind: speed`): decode throughput of caches x context lengths x batches or KV
+    budgets (docs/speed.md)."""
+
+    kind: Literal["speed"] = Field(description="speed: this grid kind")
+    name: str = Field(default="speed", description="the sweep id unless --sweep-id / sweep_id is given")
+    model: str | RandomModel = Field(
+        default="smollm2-135m", description="a model name or path (as a quality grid's), or {shape, dtype, layers}")
+    context_tokens: _list_of(int) = Field(default=[1024], description="tokens of each prompt")
+    batch: _list_of(int) | None = Field(default=None, description="sequences decoded together (or kv_budget_gib)")
+    kv_budget_gib: _list_of(float) | None = Field(
+        default=None, description="KV memory per group: each cache runs the largest batch whose KV fits (or batch)")
+    max_batch: int | None = Field(default=64, description="the largest batch a budget may give; null: no cap")
+    steps: int = Field(default=8, description="decode steps per cache and round, each way (sync, pipelined)")
+    rounds: int = Field(default=3, description="rounds in which every cache takes its turn")
+    warmup: int = Field(default=4, description="untimed decode steps after the prefill")
+    prefill_rounds: int = Field(default=1, description="timed prefills per cache, taking turns")
+    allow_beyond_window: bool = Field(default=False, description="run contexts longer than the model's window")
+    methods: list[MethodAxis] = Field(default_factory=list)
+
+    def plan(self) -> SpeedPlan:
+        """Validate every field and cell (a SweepError lists all invalid ones) and expand; once per spec."""
+        return self._plan
+
+    @cached_property
+    def _plan(self) -> SpeedPlan:
+        model, configs = self._validate()
+        if self.batch is not None:
+            groups = [SpeedGroup(t, b, None) for t in self.context_tokens for b in self.batch]
+        else:
+            groups = [SpeedGroup(t, None, round(g * 2**30)) for t in self.context_tokens for g in self.kv_budget_gib]
+        return SpeedPlan(self.name, model, self.steps, self.rounds, self.warmup, self.prefill_rounds, self.max_batch,
+                         configs, tuple(groups))
+
+    def speed_model(self) -> SpeedModel:
+        if isinstance(self.model, RandomModel):
+            return SpeedModel(shape=self.model.shape, dtype=self.model.dtype, layers=self.model.layers)
+        return SpeedModel(name=self.model)
+
+    def _validate(self) -> tuple[SpeedModel, tuple[Method, ...]]:
+        errors: list[str] = []
+        try:
+            validate_sweep_id(self.name, "name")
+        except ConfigError as exc:
+            errors.append(str(exc))
+        model, window = self.speed_model(), None
+        try:
+            if model.shape is not None:
+                if model.dtype not in DTYPES:
+                    errors.append(f"model.dtype: expected one of {list(DTYPES)}, got {model.dtype!r}")
+                if model.layers is not None and model.layers < 1:
+                    errors.append(f"model.layers: expected an int >= 1 or null, got {model.layers!r}")
+            window = model.context_window()
+            if model.shape is not None:
+                model_classes(shape_config(model.shape))  # a model_type mlx-lm does not know
+        except ConfigError as exc:  # an unknown shape; a bad model name is the loader's error
+            errors.append(str(exc))
+        if (self.batch is None) == (self.kv_budget_gib is None):
+            errors.append(f"batch, kv_budget_gib: expected exactly one of them (explicit batches, or KV budgets "
+                          f"each cache's batch is fitted to), got {'both' if self.batch is not None else 'neither'}")
+        for key, values in (("batch", self.batch), ("context_tokens", self.context_tokens)):
+            if values is not None and (not values or any(v < 1 for v in values)):
+                errors.append(f"{key}: expected a non-empty list of ints >= 1, got {list(values)!r}")
+        if self.kv_budget_gib is not None and (not self.kv_budget_gib or any(g <= 0 for g in self.kv_budget_gib)):
+            errors.append(f"kv_budget_gib: expected a non-empty list of GiB > 0, got {list(self.kv_budget_gib)!r}")
+        for key, low in (("steps", 1), ("rounds", 1), ("warmup", 0), ("prefill_rounds", 1), ("max_batch", 1)):
+            value = getattr(self, key)
+            if value is not None and value < low:
+                errors.append(f"{key}: expected an int >= {low}{' or null' if key == 'max_batch' else ''}, got {value!r}")
+        for length in self.context_tokens:
+            if window and length > window and not self.allow_beyond_window:
+                errors.append(f"context_tokens: expected at most {window} (the context window of {model.label()}), "
+                              f"got {length}; set `allow_beyond_window: true` to run it anyway")
+        configs = _method_cells(self.methods, errors)
+        if configs and not any(c.name == "full" for c in configs):
+            errors.append("methods: expected a `full` cell (every x full is against it), got "
+                          f"{[c.label() for c in configs]}")
+        if errors:
+            raise SweepError(errors)
+        return model, tuple(configs)
+
+
+def _method_cells(axes: list[MethodAxis], errors: list[str]) -> list[Method]:
+    """Every method cell as a validated config; invalid and duplicate cells appended to `errors`."""
+    if not axes:
+        errors.append("methods: expected at least one method")
+    configs: list[Method] = []
+    for i, axis in enumerate(axes):
+        for params in axis.cells():
+            try:
+                configs.append(method_config(axis.name, **params))
+            except (ConfigError, TypeError) as exc:
+                errors.append(f"methods[{i}] ({axis.name} {params}): {exc}")
+    duplicates = {c.label() for c in configs if sum(d == c for d in configs) > 1}
+    errors += [f"methods: duplicate cell {d}" for d in sorted(duplicates)]
+    return configs
+
 
 def _where(loc: tuple) -> str:
     """A pydantic error location as the grid writes it: ("datasets", 0, "seed") -> datasets[0].seed."""
@@ -278,9 +417,9 @@ def _where(loc: tuple) -> str:
     return out
 
 
-def _allowed_keys(loc: tuple) -> list[str]:
+def _allowed_keys(loc: tuple, root: type[BaseModel] = None) -> list[str]:
     """The keys allowed where `loc` points (the model found by walking the spec's fields)."""
-    model: type[BaseModel] = SweepSpec
+    model: type[BaseModel] = root or SweepSpec
     for part in loc:
         if isinstance(part, str) and part in model.model_fields:
             inner = model.model_fields[part].annotation
@@ -289,14 +428,18 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return sorted(model.model_fields)
 
 
-def _messages(exc: ValidationError) -> list[str]:
+def _messages(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     """One line per pydantic error, naming the field and what it allows."""
     lines = []
     for error in exc.errors():
         loc, kind = error["loc"], error["type"]
+        if root is SpeedSpec and loc[:1] == ("model",) and len(loc) > 1 and loc[1] in ("str", "RandomModel"):
+            loc = loc[:1] + loc[2:]  # the union's member names are pydantic's, not the grid's
+            if loc == ("model",):
+                continue  # "a valid string" when a mapping was meant: the mapping's own errors say more
         if kind == "extra_forbidden":
             where = _where(loc[:-1]) or "sweep"
-            lines.append(f"{where}.{loc[-1]}: unknown key; allowed: {_allowed_keys(loc[:-1])}")
+            lines.append(f"{where}.{loc[-1]}: unknown key; allowed: {_allowed_keys(loc[:-1], root)}")
         elif kind == "missing":
             lines.append(f"{_where(loc)}: required")
         else:
@@ -305,28 +448,36 @@ def _messages(exc: ValidationError) -> list[str]:
     return lines
 
 
-def parse_spec(data: Any) -> SweepSpec:
-    """Build a spec from a mapping; a SweepError lists every structural error (unknown keys with
-    the allowed names, missing names, wrong types)."""
+KINDS = {"quality": SweepSpec, "speed": SpeedSpec}
+
+
+def parse_spec(data: Any) -> SweepSpec | SpeedSpec:
+    """Build a spec from a mapping (`kind: speed` a SpeedSpec, else a SweepSpec); a SweepError lists
+    every structural error (unknown keys with the allowed names, missing names, wrong types)."""
     if not isinstance(data, dict):
         raise SweepError([f"sweep: expected a mapping, got {data!r}"])
+    kind = data.get("kind", "quality")
+    if kind not in KINDS:
+        raise SweepError([f"kind: expected one of {list(KINDS)}, got {kind!r}"])
     try:
-        return SweepSpec.model_validate(data)
+        return KINDS[kind].model_validate(data)
     except ValidationError as exc:
-        raise SweepError(_messages(exc)) from None
+        raise SweepError(_messages(exc, KINDS[kind])) from None
 
 
-def grid_schema() -> dict[str, Any]:
-    """The JSON Schema of a grid file (for editors: yaml-language-server, VS Code, ...)."""
-    schema = SweepSpec.model_json_schema()
+def grid_schema(kind: str = "quality") -> dict[str, Any]:
+    """The JSON Schema of a grid file of `kind` (for editors: yaml-language-server, VS Code, ...)."""
+    if kind not in KINDS:
+        raise ConfigError(f"--kind: expected one of {list(KINDS)}, got {kind!r}")
+    schema = KINDS[kind].model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "kvcompress sweep grid"
+    schema["title"] = "kvcompress sweep grid" if kind == "quality" else "kvcompress speed grid"
     return schema
 
 
-def load_spec(source: str | dict[str, Any] | SweepSpec) -> SweepSpec:
+def load_spec(source: str | dict[str, Any] | SweepSpec | SpeedSpec) -> SweepSpec | SpeedSpec:
     """A spec from a parsed spec, a dict, a YAML path, or a built-in grid name (kvcompress/grids/NAME.yaml)."""
-    if isinstance(source, SweepSpec):
+    if isinstance(source, (SweepSpec, SpeedSpec)):
         return source
     if isinstance(source, dict):
         return parse_spec(source)

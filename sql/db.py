@@ -14,19 +14,22 @@ from kvcompress.errors import ConfigError
 from kvcompress.results import TABLES, default_root, is_object_store, read_files, readable_files, redact
 from kvcompress.stats import compare
 
-VIEW_FILES = ("views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
-DEFAULT_REPORTS = ("summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps")
+RAW_VIEWS = ("views", "speed_views")  # views over the Parquet tables (speed: the speed sweep's)
+VIEW_FILES = ("views.sql", "speed_views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
+DEFAULT_REPORTS = ("summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
+                   "compare_sweeps")
 
 
 def connect(results: str | None = None, baseline: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with the `runs`, `steps` and `run_scores` views over `results`;
-    `baseline` (a config_label) is the second reference of the `paired` report.
+    """An in-memory DuckDB with the `runs`, `steps`, `evidence`, `speed` and `run_scores` views over
+    `results`; `baseline` (a config_label) is the second reference of the `paired` report.
 
     Only files that read as Parquet are viewed: each one that does not is named in one warning
-    (`kvcompress check --repair` moves them aside). No runs at all is a `ConfigError` with a hint.
-    Local results are read by DuckDB itself; on an object store pyarrow reads each table once (the
-    store's credentials and endpoint as the writers use them) and DuckDB queries it in memory, so
-    no report needs DuckDB's network extension (a download, impossible offline)."""
+    (`kvcompress check --repair` moves them aside). No runs and no speed measurements at all is a
+    `ConfigError` with a hint. Local results are read by DuckDB itself; on an object store pyarrow
+    reads each table once (the store's credentials and endpoint as the writers use them) and DuckDB
+    queries it in memory, so no report needs DuckDB's network extension (a download, impossible
+    offline)."""
     root = (results or default_root()).rstrip("/")
     con = duckdb.connect()
     con.execute("SET VARIABLE kv_results = ?", [root])
@@ -36,13 +39,13 @@ def connect(results: str | None = None, baseline: str | None = None) -> duckdb.D
         files[table], broken = readable_files(root, table)
         for problem in broken:
             warnings.warn(f"skipping {problem.path}: {problem.reason} (see `kvcompress check`)", stacklevel=2)
-    if not files["runs"]:
+    if not files["runs"] and not files["speed"]:
         raise ConfigError(f"results: no runs under {redact(root)!r}: run `kvcompress sweep` first, or pass --results")
     in_memory = is_object_store(root)
     for table, paths in files.items():
         if paths and not in_memory:
             con.execute(f"SET VARIABLE kv_{table}_files = ?", [paths])
-    for statement in sql_text("views").split(";\n"):  # one view per table
+    for statement in ";\n".join(sql_text(name) for name in RAW_VIEWS).split(";\n"):  # one view per table
         view = re.search(r"CREATE OR REPLACE VIEW (\w+) AS", statement)
         if view and (in_memory or not files[view.group(1)]):  # (local: e.g. only failed runs so far, no steps files)
             table = view.group(1)
@@ -50,7 +53,7 @@ def connect(results: str | None = None, baseline: str | None = None) -> duckdb.D
             statement = f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM kv_{table}_table"
         if statement.strip():
             con.execute(statement)
-    for name in VIEW_FILES[1:]:
+    for name in VIEW_FILES[len(RAW_VIEWS):]:
         con.execute(_packaged(name).read_text())
     return con
 
@@ -82,7 +85,7 @@ def sql_text(name_or_path: str) -> str:
 
 def check_report(name_or_path: str) -> None:
     """Raise the `ConfigError` of an unknown report name before any query runs."""
-    if Path(name_or_path).stem in ("views", "run_scores") and not name_or_path.endswith(".sql"):
+    if Path(name_or_path).stem in (*RAW_VIEWS, "run_scores") and not name_or_path.endswith(".sql"):
         raise ConfigError(f"--report: expected a .sql file or one of {report_names()}, got {name_or_path!r}")
     sql_text(name_or_path)
 
@@ -157,6 +160,7 @@ def sweep_ids(results: str | None | duckdb.DuckDBPyConnection) -> list[str]:
     """Sweeps under `results` (a root or a connection to one), the one with the newest run first."""
     con = results if isinstance(results, duckdb.DuckDBPyConnection) else connect(results)
     rows = con.sql(  # connect: a ConfigError with a hint when there are no runs at all
-        "SELECT sweep_id FROM runs GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
+        "SELECT sweep_id FROM (SELECT sweep_id, created_at FROM runs UNION ALL SELECT sweep_id, created_at FROM speed) "
+        "GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
     ).fetchall()
     return [r[0] for r in rows]

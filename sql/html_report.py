@@ -8,7 +8,8 @@ The views, each filtered in the page by task, protocol and method (the URL hash 
   (same method and parameters, only the budget differs);
 - paired: each config's paired difference vs the full cache with its bootstrap CI, per task;
 - depth: score by evidence depth x context length (the needle test's grid), per config and task;
-- evidence kept vs score; KL and top-1 agreement vs decode step; the quality/memory Pareto front.
+- evidence kept vs score; KL and top-1 agreement vs decode step; the quality/memory Pareto front;
+- throughput (speed sweeps): decode tok/s against the KV memory each cache's batch holds.
 
 The numbers are the SQL reports' own (`sweep_reports`); Python only joins the paired rows with the
 summary of the same cell (the method, the compression ratio, the Wilson interval) and embeds the
@@ -86,6 +87,11 @@ SECTIONS = [  # (element id, title, note)
     ("pareto", "Quality vs memory Pareto front",
      "Per dataset and context length (every task of the dataset); outlined points are on the front, "
      "which is computed over every config of the cell, whatever the filters show."),
+    ("throughput", "Throughput vs KV memory (speed sweeps)",
+     "Per model and context length, each cache's decode tok/s (sequences x steps a second, median over the "
+     "rounds, bars: min-max) against the KV its batch holds; under a KV budget each cache runs the largest "
+     "batch that fits, so a cache that frees bytes decodes more sequences. A line joins one config's budgets "
+     "or batches; hover for the batch and x full (the per-round ratio to the full cache's tok/s)."),
 ]
 
 
@@ -186,7 +192,8 @@ def page_data(reports: dict[str, tuple[list[str], list[tuple]]]) -> dict:
                             "compression_ratio": 1.0 / ratio if ratio else None,
                             "score_ci_low": cell["score_ci_low"], "score_ci_high": cell["score_ci_high"]})
     evidence = [{**r, "method": summary[tuple(r[c] for c in CELL)]["method"]} for r in _records(reports["evidence"])]
-    methods = sorted({r["method"] for r in summary.values()})
+    throughput = _records(reports["throughput"])
+    methods = sorted({r["method"] for r in summary.values()} | {r["method"] for r in throughput})
     return {
         "tasks": sorted({f"{r['dataset']}/{r['task']}" for r in summary.values()}),
         "protocols": sorted({r["protocol"] for r in summary.values()}),
@@ -197,4 +204,5 @@ def page_data(reports: dict[str, tuple[list[str], list[tuple]]]) -> dict:
         "depth": _records(reports["depth"]),
         "degradation": _records(reports["degradation"]),
         "pareto": _records(reports["pareto"]),
+        "throughput": throughput,
     }

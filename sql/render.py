@@ -126,6 +126,8 @@ def screen(con, sweep_id: str) -> list:
     and its 95% interval, the paired difference from the full cache, fidelity, memory and speed,
     and a mark on the configs of each dataset's score/memory Pareto front (`pareto.sql`)."""
     summary = _records(con, "summary", sweep_id)
+    if not summary:  # a speed sweep (kind: speed) has no runs, only measurements
+        return speed_screen(con, sweep_id)
     paired = {(r["protocol"], r["dataset"], r["task"], r["context_tokens"], r["config_label"]): r
               for r in _records(con, "paired", sweep_id)}
     front = {(r["dataset"], r["context_tokens"], r["config_label"])
@@ -166,6 +168,29 @@ def screen(con, sweep_id: str) -> list:
                     _number(r["score_mean"], ".2f") + ci, versus, _number(r["kl_mean"], ".2g"),
                     _number(r["top1_agree"], ".2f"), _number(r["kv_ratio_to_full"], ".2f"),
                     _number(r["decode_tok_s"], ".1f"))
+    return [out]
+
+
+def speed_screen(con, sweep_id: str) -> list:
+    """The one-screen report of a speed sweep: per model, context and KV budget (or batch), each
+    cache's batch, KV, decode tok/s and x full (median over the rounds, min-max), prefill seconds
+    (`throughput.sql`)."""
+    rows = _records(con, "throughput", sweep_id)
+    models = ", ".join(sorted({f"{r['model']} {r['dtype']} on {r['device']}" for r in rows}))
+    out = Table(title=f"Speed sweep {sweep_id}: {models}\n(tok/s: sequences x steps a second, median over the "
+                      "rounds (min-max); x full: the per-round ratio to the full cache's, synchronous and pipelined)",
+                title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
+    out.add_column("config", overflow="fold", min_width=20)
+    for name in ("ctx", "KV budget", "batch", "KV MiB", "tok/s", "x full", "pipelined", "prefill s"):
+        out.add_column(name, justify="right", no_wrap=True)
+    for r in rows:
+        budget = _number(r["kv_budget_gib"], ".3g") + " GiB" if r["kv_budget_gib"] is not None else "-"
+        out.add_row(r["config_label"], str(r["context_tokens"]), budget, str(r["batch"]),
+                    _number(r["live_kv_gib"] * 1024, ".4g"),
+                    f"{_number(r['decode_tok_s'], '.1f')} ({_number(r['decode_tok_s_min'], '.1f')}-"
+                    f"{_number(r['decode_tok_s_max'], '.1f')})",
+                    f"{_number(r['x_full'], '.2f')} ({_number(r['x_full_min'], '.2f')}-{_number(r['x_full_max'], '.2f')})",
+                    _number(r["x_full_pipelined"], ".2f"), _number(r["prefill_s"], ".2f"))
     return [out]
 
 

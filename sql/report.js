@@ -365,9 +365,40 @@ function pareto() {
   }, "No config passes the filters.");
 }
 
+// Speed sweeps: per model and context length, decode tok/s against the KV memory of each cache's
+// batch, one line per config over its budgets (or batches); bars span the rounds' min and max.
+function throughput() {
+  const rows = DATA.throughput.filter(r => r.decode_tok_s !== null && passes(r));
+  panels("throughput", rows, r => `${r.model} @ ${r.context_tokens} tokens`, cell => {
+    const style = styles(cell, r => r.config_label);
+    const traces = [];
+    for (const [label, members] of groupBy(cell, r => r.config_label)) {
+      const points = [...members].sort((a, b) => a.live_kv_gib - b.live_kv_gib);
+      const {color, dash, symbol} = style.get(label);
+      traces.push({
+        type: "scatter", mode: points.length > 1 ? "lines+markers" : "markers", name: label,
+        line: {color, dash, width: 2}, marker: {color, symbol, size: 9},
+        x: points.map(r => r.live_kv_gib), y: points.map(r => r.decode_tok_s),
+        error_y: {type: "data", symmetric: false, color, array: points.map(r => r.decode_tok_s_max - r.decode_tok_s),
+                  arrayminus: points.map(r => r.decode_tok_s - r.decode_tok_s_min)},
+        customdata: points.map(r => [r.batch, fmt(r.x_full), fmt(r.x_full_min), fmt(r.x_full_max),
+                                     r.kv_budget_gib === null ? "-" : `${fmt(r.kv_budget_gib)} GiB`]),
+        hovertemplate: `${label}<br>batch %{customdata[0]} (KV budget %{customdata[4]}), KV %{x:.3g} GiB`
+          + "<br>%{y:.1f} tok/s, x full %{customdata[1]} [%{customdata[2]}, %{customdata[3]}]<extra></extra>",
+      });
+    }
+    return {
+      traces,
+      items: traces.map(t => t.name),
+      layout: {xaxis: {title: {text: "KV memory of the batch (GiB)"}, automargin: true, rangemode: "tozero"},
+               yaxis: {title: {text: "decode tok/s (all sequences)"}, automargin: true, rangemode: "tozero"}},
+    };
+  }, "No speed measurement passes the filters (a speed sweep, kind: speed, writes them).");
+}
+
 function render() {
   shown = {};
-  for (const view of [leaderboard, paired, depth, evidence, degradation, pareto]) view();
+  for (const view of [leaderboard, paired, depth, evidence, degradation, pareto, throughput]) view();
   document.getElementById("shown").textContent = JSON.stringify({filters: {...state, methods: [...state.methods]}, ...shown});
   document.body.dataset.status = "rendered";
 }

@@ -21,6 +21,7 @@ def publish_artifacts(results: str | None, sweep_id: str, reports=DEFAULT_REPORT
     run so the artifacts attach to it."""
     if len(sweep_ids(results)) < 2:  # nothing to compare the sweep with
         reports = [r for r in reports if r != "compare_sweeps"]
+    reports = [r for r in reports if r != "throughput"]  # speed sweeps': the speed flow publishes it
     keys = {}
     for name, (columns, rows) in sweep_reports(results, sweep_id, reports).items():
         key = artifact_key(sweep_id, name)

@@ -91,10 +91,48 @@ def build_fixture(root: str) -> tuple[list[dict], list[dict]]:
     return all_runs, all_steps
 
 
+# speed measurements of sweep s2: (config_label, method, batch, kv budget or None, bytes per sequence)
+SPEED = [("full", "full", 2, 2**30, 2**29), ("kivi bits=2", "kivi", 8, 2**30, 2**27),
+         ("snapkv budget=0.5", "snapkv", 4, 2**30, 2**28), ("full", "full", 1, None, None),
+         ("kivi bits=2", "kivi", 1, None, None)]
+SPEED_ROUNDS = 3
+
+
+def speed_fixture_rows() -> list[dict]:
+    """The speed table's rows of sweep s2 (as kvcompress.speed.measurement_rows writes them), and an
+    error row that must count nowhere."""
+    rng = random.Random(7)
+    rows = []
+    for label, method, batch, budget, per_sequence in SPEED:
+        run_id = f"speed-{method}-{batch}-{budget}"
+        for rnd in range(SPEED_ROUNDS):
+            decode_ms = round(rng.uniform(10, 40), 2)
+            pipelined_ms = round(rng.uniform(8, 30), 2)
+            rows.append(dict(run_id=run_id, model="m", dtype="float16", device="gpu: test", context_tokens=1024,
+                             batch=batch, kv_budget_bytes=budget, kv_bytes_per_sequence=per_sequence, round=rnd,
+                             status="ok", error=None, decode_steps=8, decode_ms=decode_ms,
+                             decode_tok_s=batch * 1e3 / decode_ms, host_ms=1.0, pipelined_ms=pipelined_ms,
+                             pipelined_tok_s=batch * 1e3 / pipelined_ms, prefill_s=0.5 + rnd if rnd < 2 else None,
+                             live_kv_bytes=batch * (per_sequence or 2**20), peak_memory_bytes=2**31, weight_bytes=2**30,
+                             kernels="{}", config_label=label, config="{}",
+                             created_at=datetime(2024, 2, 1, tzinfo=timezone.utc), method=method))
+    rows.append(dict(rows[-1], run_id="speed-kivi4", round=None, status="error", error="does not fit", batch=0,
+                     decode_tok_s=1e9, config_label="kivi bits=4"))
+    return rows
+
+
+def build_speed_fixture(root: str) -> None:
+    from kvcompress.results import write_speed
+
+    for run_id, rows in group(speed_fixture_rows(), lambda r: r["run_id"]).items():
+        write_speed(root, "s2", rows[0]["method"], [{k: v for k, v in r.items() if k != "method"} for r in rows])
+
+
 @pytest.fixture(scope="module")
 def fixture_results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("results"))
     runs, steps = build_fixture(root)
+    build_speed_fixture(root)
     return root, runs, steps
 
 
@@ -255,6 +293,36 @@ def test_speed_memory_percentiles(fixture_results, con):
         assert row["peak_memory_bytes_max"] == max(r["peak_memory_bytes"] for r in cell)
 
 
+def test_throughput_at_equal_kv_memory(con):
+    """Per group (context x budget, or batch), each cache's tok/s and its ratio to the full cache's in
+    the same round: median, min and max over the rounds, recomputed here from the rows."""
+    import statistics
+
+    rows = [r for r in speed_fixture_rows() if r["status"] == "ok"]
+    got = report_records(con, "throughput")
+    keys = [(r["kv_budget_gib"], r["config_label"], r["batch"]) for r in got]
+    assert sorted(keys, key=str) == sorted([(None, "full", 1), (None, "kivi bits=2", 1), (1.0, "full", 2),
+                                            (1.0, "kivi bits=2", 8), (1.0, "snapkv budget=0.5", 4)], key=str)
+    assert keys[0] == (None, "full", 1) and keys[2] == (1.0, "full", 2)  # given batches first; full first
+    for row in got:
+        budget = None if row["kv_budget_gib"] is None else round(row["kv_budget_gib"] * 2**30)
+        same_group = [r for r in rows if r["kv_budget_bytes"] == budget and (budget or r["batch"] == row["batch"])]
+        mine = sorted((r for r in same_group if r["config_label"] == row["config_label"]), key=lambda r: r["round"])
+        full = {r["round"]: r for r in same_group if r["method"] == "full"}
+        ratios = [r["decode_tok_s"] / full[r["round"]]["decode_tok_s"] for r in mine]
+        pipelined = [r["pipelined_tok_s"] / full[r["round"]]["pipelined_tok_s"] for r in mine]
+        assert row["rounds"] == SPEED_ROUNDS and row["sweep_id"] == "s2"
+        assert row["decode_tok_s"] == approx(statistics.median(r["decode_tok_s"] for r in mine))
+        assert (row["decode_tok_s_min"], row["decode_tok_s_max"]) == approx(
+            (min(r["decode_tok_s"] for r in mine), max(r["decode_tok_s"] for r in mine)))
+        assert (row["x_full"], row["x_full_min"], row["x_full_max"]) == approx(
+            (statistics.median(ratios), min(ratios), max(ratios)))
+        assert row["x_full_pipelined"] == approx(statistics.median(pipelined))
+        assert row["prefill_s"] == approx(1.0)  # the median of two timed prefills, 0.5 and 1.5
+        assert row["live_kv_gib"] == approx(mine[0]["live_kv_bytes"] / 2**30)
+    assert not any(r["config_label"] == "kivi bits=4" for r in got)  # its error row counts nowhere
+
+
 def test_compare_sweeps_explicit_and_default(fixture_results, con):
     _, runs, _ = fixture_results
     cells = group(ok_runs(runs), lambda r: (r["sweep_id"], *config_key(r), r["dataset"], r["task"], r["context_tokens"]))
@@ -381,7 +449,8 @@ def test_render_reports_prints_every_report(fixture_results):
     text = render_reports(fixture_results[0])
     titles = re.findall(r"^== (\w+) \((\d+) rows\)$", text, flags=re.M)
     assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["summary", "paired", "evidence", "pareto",
-                                                               "degradation", "speed_memory", "compare_sweeps"]
+                                                               "degradation", "speed_memory", "throughput",
+                                                               "compare_sweeps"]
     assert all(int(n) > 0 for _, n in titles)
     assert "score_ci_low" in text and "decode_ms_p50" in text
 
@@ -445,7 +514,7 @@ def test_html_report_is_self_contained_and_joins_only_families(fixture_results, 
     assert text.count("plotly.js v") == 1 and text.count("<script") == 4
     ours = re.sub(r"<script>/\*\*\n\* plotly\.js v.*?</script>", "", text, flags=re.S)  # all but plotly.js
     assert len(ours) < len(text) - 4_000_000 and not re.search(r"<script[^>]* src=|<link|<img|@import|url\(|https?://", ours)
-    assert text.count("<table>") == 8 and "sweep s2" in text  # every report; default: the newest sweep
+    assert text.count("<table>") == 9 and "sweep s2" in text  # every report; default: the newest sweep
     data = embedded_data(text)
     assert data["methods"] == ["full", "keyformer", "kivi", "snapkv"] and data["protocols"] == ["query_aware"]
     assert data["tasks"] == ["longbench/qa", "ruler/niah"]
@@ -479,12 +548,14 @@ def test_html_report_in_headless_chromium(fixture_results, tmp_path):
     assert len(shown["depth"]) == len(CONFIGS) + 1 and all(k.endswith(" - ruler/niah") for k in shown["depth"])
     assert dom.count('class="main-svg"') >= 2 * (2 + 2 + len(shown["depth"]) + 2 + 1 + 2)  # plotly drew every panel
     assert 'class="legendtext"' in dom and ">kivi bits=3<" in dom
+    assert shown["throughput"] == {"m @ 1024 tokens": ["full", "kivi bits=2", "snapkv budget=0.5"]}
 
     # the filters: the hash picks a task, methods and the y axis; the DOM shows only those traces
     dom, shown = rendered(tmp_path, page, "#task=ruler/niah&protocol=query_aware&methods=snapkv,full&y=score")
     assert shown["filters"]["task"] == "ruler/niah" and shown["filters"]["y"] == "score"
     assert shown["leaderboard"] == {panels[1]: ["snapkv", "full cache"]}
     assert shown["paired"] == {panels[1]: ["snapkv budget=0.25", "snapkv budget=0.5"]}
+    assert shown["throughput"] == {"m @ 1024 tokens": ["full", "snapkv budget=0.5"]}
     assert list(shown["depth"]) == ["full - ruler/niah", "snapkv budget=0.25 - ruler/niah", "snapkv budget=0.5 - ruler/niah"]
     assert list(shown["pareto"]) == ["ruler @ 1024 tokens"] and "kivi bits=2" not in shown["degradation"][
         "KL and top-1 agreement vs decode step (all tasks)"]
@@ -661,4 +732,5 @@ def test_report_formats_for_scripts(fixture_results):
     assert done.stdout.startswith("### pareto\n\n| sweep_id | dataset |")
     done = kvcompress("report", "--results", root, "--all", "--no-html")
     titles = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("== ")]
-    assert titles == ["summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps"]
+    assert titles == ["summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
+                      "compare_sweeps"]

@@ -17,6 +17,10 @@ some layers are not global attention at all: sliding windows (Gemma 3, GPT-OSS),
    MLA's latent keys and RoPE term in the mask) cannot be served by a cache that attends itself or
    drops tokens: `refusal` says why.
 3. RoPE: the `rope` module of the layer's block (only compact positions need it).
+4. The output projection (CriticalKV needs W_o): the linear module of the layer's block whose input,
+   in the probe, is exactly the attention's output with the heads side by side, [B, L, H_q * D_v].
+   None where no module takes it as it is (an output gate or a norm in between: Qwen3-Next's gated
+   attention), so a method that needs it refuses.
 
 A method compresses the layers `targets(layers)` names and keeps the model's own cache on the
 others; `make_cache` refuses (ConfigError, before any prefill) where it cannot be right.
@@ -55,6 +59,25 @@ class AttentionLayer:
     sinks: bool  # the model passes attention sinks (GPT-OSS): one extra logit per query head
     rope: object | None  # the block's RoPE module where one was found
     refusal: str | None  # why no kvcompress cache can serve this layer; None when one can
+    out_proj: "OutputProjection | None" = None  # where the probe found it (module docstring, 4)
+
+
+@dataclass(frozen=True, eq=False)
+class OutputProjection:
+    """A layer's attention output projection: `module` maps the query heads' outputs side by side,
+    [..., n_heads * value_dim] in `dtype`, to the hidden size."""
+
+    module: nn.Module
+    n_heads: int
+    value_dim: int
+    dtype: mx.Dtype
+
+    def per_head(self) -> mx.array:
+        """W_o^h of every query head, [n_heads, value_dim, hidden] float32 (x_h -> x_h W_o^h): read by
+        applying the module to the identity, minus its bias, so a quantized module works as well."""
+        width = self.n_heads * self.value_dim
+        rows = self.module(mx.eye(width, dtype=self.dtype)) - self.module(mx.zeros((1, width), self.dtype))
+        return rows.astype(mx.float32).reshape(self.n_heads, self.value_dim, -1)
 
 
 @dataclass(frozen=True)
@@ -143,13 +166,15 @@ class _Recorder:
     def attention(self, queries, keys, values, scale, mask, sinks=None):
         offset, L = self.offset - queries.shape[2], queries.shape[2]
         fetched = self.fetched or (None, None)
+        out = attention.original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, sinks=sinks)
         self.calls.append({
+            "output": out,
             "queries": queries.shape, "keys": keys.shape, "values": values.shape, "scale": float(scale),
             "sinks": sinks is not None,
             "own_arrays": keys is fetched[0] and values is fetched[1],
             "causal": _is_causal(mask, L, offset, keys.shape[2]),
         })
-        return attention.original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, sinks=sinks)
+        return out
 
 
 class _ProbeKV(_Recorder, KVCache):
@@ -196,6 +221,8 @@ def _probe(model) -> ModelLayout:
     # each block's RoPE module, watched during the probe: a layer that holds one and never calls it
     # (Cohere 2's and EXAONE 4's global layers are NoPE) has no RoPE
     spies = [_RopeSpy.watch(b) for b in blocks] if blocks is not None and len(blocks) == len(native) else None
+    # and each block's linear modules, for the one that takes the attention output (docstring, 4)
+    linears = [_InputSpy.watch(b) for b in blocks] if spies is not None else None
     error = None
     try:
         logits = model(mx.zeros((1, PROBE_TOKENS), mx.int32), cache=probes)
@@ -205,6 +232,9 @@ def _probe(model) -> ModelLayout:
         error = f"the probe forward pass failed ({type(exc).__name__}: {exc})"
     finally:
         ropes = [None if spy is None else spy.restore() for spy in spies] if spies is not None else None
+        for watched in linears or ():
+            for spy in watched:
+                spy.restore()
     layers = []
     for i, (cache, kind) in enumerate(zip(probes, kinds)):
         if kind not in ("global", "sliding"):
@@ -232,6 +262,7 @@ def _probe(model) -> ModelLayout:
             sinks=any(c["sinks"] for c in calls),
             rope=ropes[i] if ropes else None,
             refusal=refusal,
+            out_proj=_output_projection(first, linears[i]) if first and linears and error is None else None,
         ))
     dtype = next((c.fetched[0].dtype for c in probes if getattr(c, "fetched", None) is not None), mx.float32)
     return ModelLayout(type(model).__module__.rsplit(".", 1)[-1] + "." + type(model).__name__,
@@ -284,6 +315,48 @@ class _RopeSpy(nn.Module):
         """Put the RoPE module back; it, if the probe called it, else None."""
         self._owner.rope = self._rope
         return self._rope if self._called else None
+
+
+class _InputSpy(nn.Module):
+    """Stands in for a linear module of a block during the probe and keeps its first input."""
+
+    def __init__(self, owner: nn.Module, key: str, module: nn.Module):
+        super().__init__()
+        for name, value in (("_owner", owner), ("_key", key), ("_module", module), ("first_input", None)):
+            object.__setattr__(self, name, value)  # plain attributes: no cycle in the module tree
+
+    @classmethod
+    def watch(cls, block) -> list["_InputSpy"]:
+        """Put a spy in place of every linear module held directly as an attribute in the block."""
+        found = [(module, key, child) for _, module in block.named_modules() for key, child in module.items()
+                 if isinstance(child, (nn.Linear, nn.QuantizedLinear))]
+        spies = []
+        for module, key, child in found:
+            spy = cls(module, key, child)
+            setattr(module, key, spy)
+            spies.append(spy)
+        return spies
+
+    def __call__(self, x, *args, **kwargs):
+        if self.first_input is None:
+            object.__setattr__(self, "first_input", x)
+        return self._module(x, *args, **kwargs)
+
+    def restore(self) -> None:
+        setattr(self._owner, self._key, self._module)
+
+
+def _output_projection(call: dict, spies: list[_InputSpy]) -> OutputProjection | None:
+    """The block's linear module whose first input was the attention's first output [B, H_q, L, D_v]
+    with the heads side by side, [B, L, H_q * D_v], unchanged; None where no module took it so."""
+    out = call["output"]
+    B, H, L, D = out.shape
+    flat = out.transpose(0, 2, 1, 3).reshape(B, L, H * D)
+    for spy in spies:
+        x = spy.first_input
+        if x is not None and x.shape == flat.shape and x.dtype == flat.dtype and mx.array_equal(x, flat).item():
+            return OutputProjection(spy._module, H, D, x.dtype)
+    return None
 
 
 def positional_rope(rope) -> bool:

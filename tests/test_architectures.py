@@ -29,7 +29,8 @@ from kvcompress.methods.eviction import rope_rotations
 
 PROMPT, ANSWER = 40, 8
 LOSSLESS_BUDGET = 64  # > PROMPT + ANSWER: nothing is ever evicted
-EVICTION = ("streaming", "h2o", "keyformer", "snapkv", "pyramidkv", "adakv", "tova", "knorm", "random")
+EVICTION = ("streaming", "h2o", "keyformer", "snapkv", "pyramidkv", "adakv", "tova", "knorm", "random", "keydiff",
+            "expected_attention", "criticalkv")
 
 # Where a cell must refuse, and the reason make_cache's ConfigError gives (every other cell must run).
 ATTENTION_REFUSED = {  # no kvcompress cache can serve these models' attention layers
@@ -39,6 +40,8 @@ ATTENTION_REFUSED = {  # no kvcompress cache can serve these models' attention l
     "falcon_h1": "no global attention layer",  # attention and Mamba side by side in a CacheList
 }
 EVICTION_REFUSED = {"deepseek_v2": "values have 32 dims and its keys 48"}
+# CriticalKV reads W_o v: no module takes Qwen3-Next's attention output as it is (it is gated first)
+OUTPUT_PROJECTION_REFUSED = {"qwen3_next": "no output projection"}
 QUANTIZER_REFUSED = {"deepseek_v2": "divisor of the model's head_dim 48"}  # 48-dim keys, groups of 32
 
 
@@ -49,6 +52,8 @@ def expected_refusal(name: str, method: str) -> str | None:
         return "multiples of 32"
     if name in ATTENTION_REFUSED:
         return ATTENTION_REFUSED[name]
+    if method == "criticalkv" and name in OUTPUT_PROJECTION_REFUSED:
+        return OUTPUT_PROJECTION_REFUSED[name]
     if method in EVICTION:
         return EVICTION_REFUSED.get(name)
     return QUANTIZER_REFUSED.get(name)
@@ -130,6 +135,8 @@ def test_lossy_settings_run(name, models):
     for method, params in (("h2o", {"budget": 0.5}), ("snapkv", {"budget": 0.5, "recent": 8}),
                            ("pyramidkv", {"budget": 0.5, "recent": 8}), ("adakv", {"budget": 0.9}),  # window 32
                            ("keyformer", {"budget": 24, "positions": "compact"}), ("streaming", {"budget": 24}),
+                           ("keydiff", {"budget": 0.5}), ("expected_attention", {"budget": 0.5}),
+                           ("criticalkv", {"budget": 0.5, "scorer": "expected_attention"}),
                            ("kivi", {"bits": 2, "group_size": 32, "residual": 32}), ("turboquant", {"bits": 3})):
         if reason := expected_refusal(name, method):
             with pytest.raises(ConfigError, match=reason):
@@ -237,3 +244,20 @@ def test_the_runner_on_windowed_recurrent_and_sink_models(name, embedded):
             assert record.run["live_kv_bytes"] == record.run["full_kv_bytes"]
         else:
             assert record.run["live_kv_bytes"] < record.run["full_kv_bytes"]
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3", "gpt_oss", "qwen3_next"])
+def test_the_probe_finds_the_attention_output_projection(name):
+    """The adapter's output projection is the module that takes the heads' outputs side by side (Llama's
+    and GPT-OSS's `o_proj`, Phi-3's too), and its per-head matrices are that module's weight; Qwen3-Next
+    gates the output before its projection, so it has none (CriticalKV refuses it)."""
+    model = tiny_model(name)
+    for layer in model_layout(model).global_layers:
+        projection = layer.out_proj
+        if name == "qwen3_next":
+            assert projection is None
+            continue
+        o_proj = model.layers[layer.index].self_attn.o_proj
+        assert projection.module is o_proj and (projection.n_heads, projection.value_dim) == (4, 32)
+        expected = o_proj.weight.T.reshape(4, 32, -1)
+        assert float(mx.abs(projection.per_head() - expected).max()) < 1e-6

@@ -5,6 +5,7 @@ runner's from_prefill, save/load, head-wise (AdaKV) and layer-wise (PyramidKV) b
 import kvcompress  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.utils
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from kvcompress.adapter import OutputProjection
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.errors import ConfigError
 from kvcompress.methods.eviction import PAD, Eviction, EvictionCache
@@ -28,6 +30,7 @@ def small(name: str, budget, **params) -> Eviction:
     defaults = {
         "snapkv": dict(recent=3, kernel=3), "pyramidkv": dict(recent=3, kernel=3, beta=4),
         "keyformer": dict(anneal_steps=5), "streaming": dict(n_sink=2), "adakv": dict(scorer="tova"),
+        "criticalkv": dict(scorer="h2o"), "expected_attention": dict(n_future_positions=16),
         # the decode-time eviction the shared tests exercise (their default compresses the prompt only)
         "knorm": dict(decoding="evict", n_sink=1), "random": dict(decoding="evict"),
     }
@@ -62,6 +65,11 @@ class Drive:
         self.scale = D**-0.5
         self.layer, self.n_layers = layer, n_layers
         self.cache = EvictionCache(cfg, layer, n_layers, H, D, self.rope, self.scale)
+        # CriticalKV's output projection, as make_cache would give it (H * rep query heads of D)
+        self.out_proj = nn.Linear(H * rep * D, 24, bias=True)
+        self.out_proj.update(mlx.utils.tree_map(lambda a: mx.array(rng.standard_normal(a.shape).astype(np.float32)),
+                                                self.out_proj.parameters()))
+        self.cache.out_proj = OutputProjection(self.out_proj, H * rep, D, mx.float32)
 
     def prefill(self):
         T = self.T
@@ -258,6 +266,27 @@ class RowLoop:
         pooled = windows.max(axis=0) if cfg.pooling == "max" else windows.sum(axis=0) / k
         return list(np.concatenate([pooled, votes[T - w :]]))
 
+    def keydiff(self, T):
+        keys = rope_at(self.d.K[self.b, self.h, :T].astype(np.float64), range(T))
+        unit = keys / np.linalg.norm(keys, axis=1, keepdims=True)
+        anchor = unit.mean(axis=0)
+        return list(-unit @ anchor / np.linalg.norm(anchor))
+
+    def expected_attention(self, T):
+        """Gaussian pre-RoPE queries (the drive's raw Q after the sinks), RoPE averaged over T..T+n-1."""
+        cfg, d, sink = self.cfg, self.d, self.cfg.n_sink
+        keys = rope_at(d.K[self.b, self.h, sink:T].astype(np.float64), range(sink, T))
+        future = range(T, T + cfg.n_future_positions)
+        rotation = np.mean([rope_at(np.eye(d.D), [t] * d.D).T for t in future], axis=0)  # mean R_t
+        expected = 0
+        for g in range(d.rep):
+            q = d.Q[self.b, self.h * d.rep + g, sink:T].astype(np.float64)
+            mean, cov = rotation @ q.mean(axis=0), rotation @ np.cov(q.T, bias=True) @ rotation.T
+            logits = d.scale * keys @ mean + d.scale**2 / 2 * np.einsum("ti,ij,tj->t", keys, cov, keys)
+            expected = expected + softmax(logits) / d.rep
+        expected = (expected + cfg.epsilon) * np.linalg.norm(d.V[self.b, self.h, sink:T].astype(np.float64), axis=1)
+        return [0.0] * sink + list(expected)
+
     def evict_by(self, p, T):
         cfg = self.cfg
         if cfg.name == "random":
@@ -280,7 +309,7 @@ class RowLoop:
         if decode == "replace":
             self.s = list(self.tova(T - 1))
         elif decode == "grow":
-            self.s = self.snapkv(T)
+            self.s = {"keydiff": self.keydiff, "expected_attention": self.expected_attention}.get(cfg.name, self.snapkv)(T)
         if T > capacity:
             by = self.evict_by(T - 1, T)
             protected = [i for i in range(T) if i < cfg.n_sink or i >= T - recent]
@@ -301,7 +330,7 @@ class RowLoop:
         return self.P, self.s
 
 
-PER_ROW = [n for n in EVICTION if n != "adakv"]
+PER_ROW = [n for n in EVICTION if n not in ("adakv", "criticalkv")]  # their own tests below
 
 
 @pytest.mark.parametrize("name", PER_ROW)

@@ -362,6 +362,117 @@ def test_knorm_keeps_the_lowest_norm_keys_of_each_head(prompt):
     compare(caches[1:], reference[1:], near_ties=0)
 
 
+# -- KeyDiff, Expected Attention, CriticalKV (NVIDIA/kvpress 8bb29b9) -----------------------------
+
+
+def test_keydiff_keeps_the_keys_least_like_their_heads_mean_key(prompt):
+    # NVIDIA/kvpress presses/keydiff_press.py: anchor = mean of the L2-normalised keys over the
+    # sequence, score = -cosine_similarity(key, anchor), the top n_kept per KV head; post-RoPE keys
+    capacity = round(method_config("keydiff").budget * prompt.T)
+    reference = []
+    for keys in prompt.keys:
+        unit = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
+        anchor = unit.mean(axis=1, keepdims=True)
+        reference.append(keep_top(-(unit * anchor).sum(-1) / np.linalg.norm(anchor, axis=-1), capacity))
+    compare(compress(prompt, "keydiff"), reference, near_ties=2)
+
+
+def rope_angles(model, positions) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [len(positions), D/2] of the embedded model's RoPE (non-traditional, base from its
+    module), in float64."""
+    rope = model.layers[0].self_attn.rope
+    assert type(rope).__name__ == "RoPE" and not rope.traditional and rope.scale == 1.0
+    theta = rope.base ** (-np.arange(0, rope.dims, 2) / rope.dims)
+    angles = np.asarray(positions, np.float64)[:, None] * theta
+    return np.cos(angles), np.sin(angles)
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Non-traditional RoPE rotation of x [..., D] by cos/sin [..., D/2] (pairs i and i + D/2)."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def expected_attention_scores(model, keys, values, queries, n_future=512, n_sink=4, use_covariance=True,
+                              use_vnorm=True, epsilon=0.0) -> np.ndarray:
+    """NVIDIA/kvpress presses/expected_attention_press.py, ExpectedAttentionPress.score: pre-RoPE
+    queries after the first n_sink (kvpress projects the hidden states; here the post-RoPE queries
+    rotated back), their mean and population covariance per query head, both carried through the
+    RoPE rotation averaged over positions T..T+n_future-1 (R_bar mu, R_bar Sigma R_bar^T), then
+    mu.k / sqrt(d) + k Sigma k / (2 d) over the keys after the sinks, softmax, mean over the
+    query group, (a + epsilon) ||v||; the sinks kept (+inf here)."""
+    (H, T, D), H_q = keys.shape, queries.shape[0]
+    cos, sin = rope_angles(model, range(n_sink, T))
+    pre = rotate(queries[:, n_sink:], cos, -sin)  # [H_q, T - n_sink, D]
+    cos, sin = rope_angles(model, range(T, T + n_future))
+    # R_bar as a matrix: column j is the mean rotation of the unit vector e_j
+    rotation = rotate(np.eye(D)[:, None, :], cos[None], sin[None]).mean(axis=1).T  # [D, D]
+    mean = pre.mean(axis=1) @ rotation.T  # [H_q, D]
+    k = np.repeat(keys[:, n_sink:], H_q // H, axis=0)  # [H_q, T', D] (transformers' repeat_kv)
+    logits = np.einsum("hd,htd->ht", mean, k) / np.sqrt(D)
+    if use_covariance:
+        centred = pre - pre.mean(axis=1, keepdims=True)
+        cov = rotation @ (np.einsum("hti,htj->hij", centred, centred) / centred.shape[1]) @ rotation.T
+        logits += np.einsum("hti,hij,htj->ht", k, cov, k) / D / 2
+    scores = softmax(logits).reshape(H, H_q // H, -1).mean(axis=1)
+    if use_vnorm:
+        scores = (scores + epsilon) * np.linalg.norm(values[:, n_sink:], axis=-1)
+    return np.concatenate([np.full((H, n_sink), np.inf), scores], axis=1)
+
+
+@pytest.mark.parametrize("params", [{}, {"use_covariance": False, "use_vnorm": False}])
+def test_expected_attention_keeps_the_kvpress_selection(prompt, params):
+    config = method_config("expected_attention", **params)
+    assert (config.n_future_positions, config.n_sink, config.epsilon) == (512, 4, 0.0)
+    capacity = round(config.budget * prompt.T)
+    reference = [keep_top(expected_attention_scores(prompt.model, prompt.keys[i], prompt.values[i],
+                                                    prompt.query64[i], **params), capacity)
+                 for i in range(len(prompt.kv))]
+    compare(compress(prompt, "expected_attention", **params), reference, near_ties=2)
+
+
+def test_adakv_over_expected_attention_keeps_the_kvpress_selection(prompt):
+    # kvpress's leaderboard entry: AdaKVPress(ExpectedAttentionPress()), alpha_safeguard 0.2
+    capacity = round(0.5 * prompt.T)
+    reference = [adakv_reference(expected_attention_scores(prompt.model, prompt.keys[i], prompt.values[i],
+                                                           prompt.query64[i]), capacity, 0.2)
+                 for i in range(len(prompt.kv))]
+    compare(compress(prompt, "adakv", scorer="expected_attention"), reference, near_ties=2, per_row_counts=False)
+
+
+def criticalkv_reference(scores, values, w_o, capacity: int, epsilon=1e-4, first_stage_ratio=0.5) -> Selection:
+    """NVIDIA/kvpress presses/criticalkv_press.py, CriticalKVPress.score over a scorer's [H, T] scores
+    (its protected tokens +inf, as kvpress pads them with the maximum): the top
+    int(n_kept x first_stage_ratio) per head lifted, then (score + epsilon) x the L1 norm of
+    v W_o^h averaged over the query group (vwl1norm: o_proj.weight^T viewed [H_q, D, hidden]); the
+    top n_kept kept. w_o: [hidden, H_q x D] as nn.Linear holds it."""
+    H, T, D = values.shape
+    per_head = w_o.T.reshape(-1, D, w_o.shape[0])  # [H_q, D, hidden]
+    G = per_head.shape[0] // H
+    norms = np.stack([np.mean([np.abs(values[h] @ per_head[h * G + g]).sum(-1) for g in range(G)], axis=0)
+                      for h in range(H)])
+    first = np.argsort(-scores, axis=1, kind="stable")[:, : int(capacity * first_stage_ratio)]
+    weighted = (scores + epsilon) * norms
+    np.put_along_axis(weighted, first, np.inf, axis=1)
+    return keep_top(weighted, capacity)
+
+
+def test_criticalkv_keeps_the_kvpress_selection_over_snapkv_scores(prompt):
+    config = method_config("criticalkv")  # defaults: SnapKV's scores at half the prompt
+    assert (config.scorer, config.epsilon, config.first_stage_ratio) == ("snapkv", 1e-4, 0.5)
+    capacity = round(config.budget * prompt.T)
+    reference = []
+    for i in range(len(prompt.kv)):
+        w_o = np.array(prompt.model.layers[i].self_attn.o_proj.weight).astype(np.float64)
+        scores = snapkv_scores(prompt.keys[i], prompt.query64[i], 32, 7, "max")
+        reference.append(criticalkv_reference(scores, prompt.values[i], w_o, capacity))
+    # the stage-2 weighting changes what is kept (else this would be SnapKV)
+    snap = [snapkv_reference(prompt.keys[i], prompt.query64[i], capacity, 32, 7, "max") for i in range(3)]
+    assert any((r.kept != s.kept).any() for r, s in zip(reference, snap))
+    compare(compress(prompt, "criticalkv"), reference, near_ties=2)
+
+
 # -- KIVI -----------------------------------------------------------------------------------------
 
 

@@ -142,7 +142,8 @@ def test_query_agnostic_compresses_the_context_before_the_question(embedded):
     assert all(s["tokens_kept"] == 64 + question for s in agnostic.steps)
 
 
-EVICTION = ["streaming", "h2o", "keyformer", "tova", "snapkv", "pyramidkv", "adakv", "knorm", "random"]
+EVICTION = ["streaming", "h2o", "keyformer", "tova", "snapkv", "pyramidkv", "adakv", "knorm", "random", "keydiff",
+            "expected_attention", "criticalkv"]
 
 
 @pytest.mark.filterwarnings("ignore:decode_steps=4 cut the reference answer")

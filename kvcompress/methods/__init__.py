@@ -9,8 +9,11 @@ from ..adapter import LAYER_CHOICES
 from ..errors import ConfigError, build, check
 from .base import CompressedCache, Method
 from .adakv import AdaKV
+from .criticalkv import CriticalKV
+from .expected_attention import ExpectedAttention
 from .full import Full
 from .h2o import H2O
+from .keydiff import KeyDiff
 from .keyformer import Keyformer
 from .kivi import Kivi
 from .knorm import KNorm
@@ -24,7 +27,8 @@ from .turboquant import TurboQuant
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Full, MlxQuant, Kivi, TurboQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm, Random)
+    for cls in (Full, MlxQuant, Kivi, TurboQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm,
+                Random, KeyDiff, ExpectedAttention, CriticalKV)
 }
 
 

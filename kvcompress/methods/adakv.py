@@ -21,47 +21,26 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import check
-from .eviction import Eviction
-
-SCORERS = ("snapkv", "h2o", "tova", "knorm", "keyformer", "streaming", "random")
+from .delegating import Delegating
 
 
 @dataclass(frozen=True)
-class AdaKV(Eviction):
+class AdaKV(Delegating):
     """Ada-KV: a layer's budget split across its KV heads by one top-k over their scores.
 
     budget: mean tokens kept per KV head (int) or a fraction of the prompt (float).
-    scorer: the method whose prompt scores rank tokens (its defaults; paper: snapkv).
+    scorer: the method whose prompt scores rank tokens (its defaults; paper: snapkv; kvpress's
+    leaderboard also runs expected_attention).
     safeguard: fraction of the per-head budget each head keeps from its own ranking first (0..1).
     """
 
     name = "adakv"
-    decode = "grow"
-    budget: int | float = 0.5
-    scorer: str = "snapkv"
     safeguard: float = 0.2
 
     def __post_init__(self):
-        check(self.scorer in SCORERS, f"{self.name}.scorer", f"one of {SCORERS}", self.scorer)
         check(isinstance(self.safeguard, (int, float)) and not isinstance(self.safeguard, bool)
               and 0 <= self.safeguard <= 1, f"{self.name}.safeguard", "a number in [0, 1]", self.safeguard)
         super().__post_init__()
-
-    @property
-    def needs_queries(self) -> bool:
-        return self.scoring().needs_queries
-
-    def scoring(self) -> Eviction:
-        from . import REGISTRY  # the registry imports this module
-
-        return REGISTRY[self.scorer](budget=self.budget)
-
-    def resolve(self, prompt_tokens: int, layer: int = 0, n_layers: int = 1) -> tuple[int, int]:
-        return self.scoring().resolve(prompt_tokens, layer, n_layers)
-
-    @property
-    def n_sink(self) -> int:
-        return self.scoring().n_sink
 
     def select(self, cache, ranked, capacity):
         R, n = ranked.shape

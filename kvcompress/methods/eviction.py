@@ -9,12 +9,14 @@ How a method scores, as kvpress's `score()`, is one of four decode modes:
   The prompt is scored in bounded memory (prompt_scores.py); each decode step adds its query's share.
 - "replace" (TOVA): the score is recomputed from the current query alone (`score_step`).
 - "fixed" (StreamingLLM, KNorm, random): each token gets a score once, when it arrives (`score_new`).
-- "grow" (SnapKV, PyramidKV, AdaKV): the prompt is scored once from its last `window()` queries
-  (`score_prompt`), compressed, and decoded tokens are appended without eviction (as the papers).
+- "grow" (SnapKV, PyramidKV, AdaKV, KeyDiff, Expected Attention, CriticalKV): the prompt is scored
+  once (`score_prompt`, from its keys and values and what `summarize_queries` kept of its queries:
+  the last `window()` by default), compressed, and decoded tokens are appended without eviction
+  (as the papers).
 
 Life of a cache. Prefill keeps every token (full causal attention, however mlx-lm chunks the
-prompt); "accumulate" methods score each chunk as it comes, the others remember the last `window()`
-queries. The first single-token call is the prompt's last query (mlx-lm's generate feeds it alone):
+prompt); "accumulate" methods score each chunk as it comes, the others summarize its queries
+(`summarize_queries`). The first single-token call is the prompt's last query (mlx-lm's generate feeds it alone):
 after it the cache resolves the budget to `capacity` tokens per row (and `recent`, the protected
 window), scores the prompt and selects: the first `n_sink` and newest `recent` tokens are kept, then
 the highest-scoring rest. Each later step adds the new token, updates scores, and evicts the lowest
@@ -151,6 +153,18 @@ class Eviction(Method):
         """How many of the prompt's last queries `score_prompt` needs."""
         return 0
 
+    def summarize_queries(self, cache, summary, queries):
+        """"replace" / "grow": what `score_prompt` gets of the prompt's queries, updated with the next
+        chunk of them, queries [R, G, S, D] post-RoPE at positions cache.position - S .. cache.position - 1
+        (summary None before the first chunk). Here: the last `window()` queries [R, G, <= window, D];
+        Expected Attention keeps running moments instead."""
+        w = self.window()
+        q = queries[:, :, -w:]
+        if summary is not None:
+            q = mx.concatenate([summary, q], axis=2)[:, :, -w:]
+        mx.eval(q)  # a slice must not keep the whole chunk alive
+        return q
+
     def transform(self, cache, logits, query_positions, key_positions):
         """"accumulate": logits [R, G, L, n] -> what the softmax is taken of (H2O: themselves)."""
         return logits
@@ -160,7 +174,8 @@ class Eviction(Method):
         return queries
 
     def score_prompt(self, cache, keys, queries):
-        """"replace" / "grow": scores [R, T] of the prompt from its last `window()` queries."""
+        """"replace" / "grow": scores [R, T] of the prompt's keys [R, T, D] (values: cache.values)
+        from `summarize_queries`' summary of its queries (None for a method that needs none)."""
         raise NotImplementedError
 
     def score_step(self, cache, probs):
@@ -221,8 +236,8 @@ class Eviction(Method):
         return EvictionCache(self, i, n, layer.n_kv_heads, layer.head_dim, layer.rope, layer.scale)
 
 
-def rope_rotations(rope, head_dim: int, count: int) -> tuple[mx.array, mx.array]:
-    """cos, sin [count, dims/2] of the model's own RoPE at positions 0..count-1.
+def rope_rotations(rope, head_dim: int, count: int, start: int = 0) -> tuple[mx.array, mx.array]:
+    """cos, sin [count, dims/2] of the model's own RoPE at positions start..start+count-1.
 
     Read off the module by rotating a probe vector (1 in the first element of every pair), so the
     base, any frequency scaling and the pair layout are the model's, not assumptions. Scaled RoPEs
@@ -233,7 +248,8 @@ def rope_rotations(rope, head_dim: int, count: int) -> tuple[mx.array, mx.array]
     traditional = getattr(rope, "traditional", False)
     first = mx.arange(head_dim)
     first = ((first % 2 == 0) & (first < dims)) if traditional else (first < dims // 2)
-    out = rope(mx.zeros((1, 1, count, head_dim), mx.float32) + first.astype(mx.float32))[0, 0]
+    probe = mx.zeros((1, 1, count, head_dim), mx.float32) + first.astype(mx.float32)
+    out = (rope(probe, offset=start) if start else rope(probe))[0, 0]
     if traditional:
         cos, sin = out[:, 0:dims:2], out[:, 1:dims:2]
     else:
@@ -273,7 +289,10 @@ class EvictionCache(CompressedCache):
         # prompt) and the position of the first generated token: see the module docstring
         self.held_limit = self.answer_start = None
         self.padded = False  # rows of different lengths (PAD slots present)
-        self.window_queries = None  # [R, G, <= window, D] the prompt's last queries, until selection
+        self.query_summary = None  # what score_prompt needs of the prompt's queries, until selection
+        # the layer's attention output projection (kvcompress/adapter.py), where a method reads it
+        # (CriticalKV sets it)
+        self.out_proj = None
         self.rope_step = None  # (cos, sin) of one RoPE position, for compact-mode eviction
         self._unscored = 0  # tokens appended and not yet seen by attention()
         self._new_keys = None  # [R, S, D] the keys of those tokens
@@ -525,7 +544,7 @@ class EvictionCache(CompressedCache):
 
     def _score_prompt_queries(self, q, new_keys, scale):
         """Prompt queries q [R, G, S, D] at the last S positions (their keys: new_keys [R, S, D]):
-        accumulate, or remember the window."""
+        accumulate, or summarize them for `score_prompt` (the window)."""
         scorer = self.scorer
         if scorer.decode == "accumulate":
             def transform(logits, query_positions, key_positions):
@@ -538,13 +557,8 @@ class EvictionCache(CompressedCache):
             noise = None if plain else scorer.prompt_kernel_noise(self, q.shape[0], q.shape[1], q.shape[2])
             self._scores = self.scores + accumulated_attention(sq, self.keys, scale, None if plain else transform,
                                                                kernel_noise=noise)
-        elif scorer.window():
-            w = scorer.window()
-            q = q[:, :, -w:]
-            if self.window_queries is not None:
-                q = mx.concatenate([self.window_queries, q], axis=2)[:, :, -w:]
-            self.window_queries = q
-            mx.eval(self.window_queries)  # a slice must not keep the whole chunk alive
+        elif scorer.needs_queries:
+            self.query_summary = scorer.summarize_queries(self, self.query_summary, q)
 
     def _complete_prompt(self):
         self.prompt_len = self.position
@@ -552,8 +566,8 @@ class EvictionCache(CompressedCache):
         self.held_limit, self.answer_start = self.capacity, self.position
         scorer = self.scorer
         if scorer.decode in ("replace", "grow"):
-            self._scores = scorer.score_prompt(self, self.keys, self.window_queries)
-        self.window_queries = None
+            self._scores = scorer.score_prompt(self, self.keys, self.query_summary)
+        self.query_summary = None
         if self.length > self.capacity:
             self._select(self.capacity, self.position - 1)
         if self.config.decode == "grow":
@@ -781,7 +795,8 @@ class EvictionCache(CompressedCache):
         for field, value in meta.items():
             setattr(self, field, value)
         if not hasattr(self, "rope"):  # restored by from_state: no model here
-            self.rope, self.window_queries, self._unscored, self._new_keys = None, None, 0, None
+            self.rope, self.query_summary, self._unscored, self._new_keys = None, None, 0, None
+            self.out_proj = None
         if self.free is not None:  # a file from before the free slot's score was kept at 0 may hold another
             self._zero_free_score()
 

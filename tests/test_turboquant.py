@@ -34,10 +34,10 @@ def test_pack_round_trips_and_holds_bits_per_code(bits):
     assert bool(mx.all(unpack(words, bits, 64) == codes))
 
 
-def _filled(key_bits=4, value_bits=4, T=80, D=64, H=2, seed=0):
+def _filled(key_bits=4, value_bits=4, T=80, D=64, H=2, seed=0, qjl=True):
     k = mx.random.normal((1, H, T, D), key=mx.random.key(seed))
     v = mx.random.normal((1, H, T, D), key=mx.random.key(seed + 1))
-    cache = TurboQuantCache(key_bits, value_bits, seed)
+    cache = TurboQuantCache(key_bits, value_bits, seed, qjl)
     cache.update_and_fetch(k[:, :, :T // 2], v[:, :, :T // 2])
     for t in range(T // 2, T):  # the rest a token at a time, as decoding
         cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -45,9 +45,9 @@ def _filled(key_bits=4, value_bits=4, T=80, D=64, H=2, seed=0):
     return cache, k, v
 
 
-@pytest.mark.parametrize("bits", [(2, 2), (3, 4), (4, 4)])
+@pytest.mark.parametrize("bits", [(2, 2, True), (3, 4, True), (4, 4, True), (3, 2, False)])
 def test_attention_on_the_codes_equals_attention_over_what_they_stand_for(bits):
-    cache, _, _ = _filled(*bits)
+    cache, _, _ = _filled(*bits[:2], qjl=bits[2])
     keys, values = cache.dequantized()
     q = mx.random.normal((1, 6, 5, 64), key=mx.random.key(9))
     for mask in ("causal", None):
@@ -97,19 +97,23 @@ def test_resident_bytes_are_the_packed_codes_signs_and_norms():
     cache, _, _ = _filled(3, 2, T=80, D=64, H=2)
     per_token_head = 64 * 2 // 8 + 2 + 64 // 8 + 2 + 64 * 2 // 8 + 2  # key codes (2 bits), norm, signs, residual norm, value codes, norm
     assert cache.live_kv_bytes == 80 * 2 * per_token_head
+    mse, _, _ = _filled(3, 2, T=80, D=64, H=2, qjl=False)  # keys: 3-bit codes and a norm, no sketch
+    assert mse.live_kv_bytes == 80 * 2 * (64 * 3 // 8 + 2 + 64 * 2 // 8 + 2)
     assert cache.live_kv_bytes < 80 * 2 * 64 * 2 * 2 / 4  # under a quarter of float16 keys and values
 
 
-def test_config_validates_and_saves_and_loads(tmp_path):
+@pytest.mark.parametrize("qjl", [True, False])
+def test_config_validates_and_saves_and_loads(tmp_path, qjl):
     with pytest.raises(ConfigError, match=r"turboquant.bits: expected one of 2, 3, 4"):
         method_config("turboquant", bits=3.5)
-    cache, _, _ = _filled(3, 3)
+    cache, _, _ = _filled(3, 3, qjl=qjl)
     from mlx_lm.models.cache import save_prompt_cache
 
     save_prompt_cache(str(tmp_path / "c.safetensors"), [cache])
     (loaded,) = kvcompress.load_prompt_cache(str(tmp_path / "c.safetensors"))
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(3))
     assert mx.array_equal(loaded.attention(q, None, None, 0.125, None), cache.attention(q, None, None, 0.125, None))
+    assert loaded.live_kv_bytes == cache.live_kv_bytes
 
 
 @pytest.mark.slow
@@ -126,6 +130,8 @@ def test_turboquant_on_the_embedded_model_more_bits_track_the_full_cache_closer(
         return out - mx.logsumexp(out)
 
     full = log_probs(kvcompress.make_cache(model, "full"))
-    kl = {bits: np.median([float((mx.exp(full) * (full - log_probs(kvcompress.make_cache(
-        model, "turboquant", bits=bits, seed=seed)))).sum()) for seed in range(5)]) for bits in (3, 4)}
-    assert kl[4] < 0.1 and kl[4] < kl[3], kl
+    kl = {(bits, qjl): np.median([float((mx.exp(full) * (full - log_probs(kvcompress.make_cache(
+        model, "turboquant", bits=bits, qjl=qjl, seed=seed)))).sum()) for seed in range(5)])
+        for bits in (3, 4) for qjl in (True, False)}
+    assert kl[4, True] < 0.1 and kl[4, True] < kl[3, True], kl
+    assert kl[4, False] < kl[4, True], kl  # all bits on codes: a lower error on this model

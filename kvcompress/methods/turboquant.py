@@ -10,7 +10,9 @@ quantizer (the paper's TurboQuant_mse):
 - keys: TurboQuant_prod, for an unbiased inner product with the query: (`key_bits` - 1)-bit codes,
   then the residual r = u - c[codes] stored as ||r|| and the signs of S r (S a seeded Gaussian
   D x D matrix, the 1-bit QJL transform), so that
-      <q, k> ~= ||k|| (<Pi q, c[codes]> + sqrt(pi / 2) / D * ||r|| <S Pi q, sign(S r)>).
+      <q, k> ~= ||k|| (<Pi q, c[codes]> + sqrt(pi / 2) / D * ||r|| <S Pi q, sign(S r)>);
+  `qjl=False` stores keys as `key_bits`-bit codes instead (TurboQuant_mse: a lower error, but the
+  inner product is biased toward zero; on the embedded model its scores vary far less with the seed).
 Attention runs on the codes: the query is rotated (and sketched) once, scores come from the
 codebook entries of the codes, and the value side's weighted sum is taken in the rotated space and
 rotated back once. The tokens of the current call (a prompt chunk, a decode step's token) attend to
@@ -46,13 +48,16 @@ class TurboQuant(PerSideBits, Method):
     """TurboQuant: rotated Lloyd-Max codes per coordinate; keys add a 1-bit QJL residual.
 
     bits: bits per coordinate for keys and values (2, 3, 4); key_bits / value_bits override it per
-    side. Keys spend one of their bits on the QJL sign sketch. seed: the rotations and the sketch.
+    side. Keys spend one of their bits on the QJL sign sketch (the paper's TurboQuant_prod); with
+    qjl=False they spend all on codes (TurboQuant_mse: lower error, biased inner products).
+    seed: the rotations and the sketch.
     """
 
     name = "turboquant"
     bits: int = 4
     key_bits: int | None = None
     value_bits: int | None = None
+    qjl: bool = True
     seed: int = 0
 
     def __post_init__(self):
@@ -62,6 +67,7 @@ class TurboQuant(PerSideBits, Method):
         check(self.value_bits is None or self.value_bits in BITS, "turboquant.value_bits", allowed + " or None",
               self.value_bits)
         check(isinstance(self.seed, int), "turboquant.seed", "an int", self.seed)
+        check(isinstance(self.qjl, bool), "turboquant.qjl", "true or false", self.qjl)
 
     def make_cache(self, model) -> list:
         install()  # the caches attend over their codes themselves
@@ -71,7 +77,7 @@ class TurboQuant(PerSideBits, Method):
         if layer.head_dim % 32 or layer.value_dim % 32:
             raise ConfigError(f"turboquant: key and value dims must be multiples of 32 (codes are packed in 32-bit "
                               f"words); {layout.model_class} has {layer.head_dim} and {layer.value_dim}")
-        return TurboQuantCache(self.k_bits, self.v_bits, self.seed * 100_003 + i)
+        return TurboQuantCache(self.k_bits, self.v_bits, self.seed * 100_003 + i, self.qjl)
 
 
 # -- the quantizer ------------------------------------------------------------------------------
@@ -145,8 +151,8 @@ class TurboQuantCache(CompressedCache):
     The first `offset` rows are in use (rows are allocated ROWS_STEP at a time).
     """
 
-    def __init__(self, key_bits: int = 4, value_bits: int = 4, seed: int = 0):
-        self.key_bits, self.value_bits, self.seed = key_bits, value_bits, seed
+    def __init__(self, key_bits: int = 4, value_bits: int = 4, seed: int = 0, qjl: bool = True):
+        self.key_bits, self.value_bits, self.seed, self.qjl = key_bits, value_bits, seed, qjl
         self.arrays = None  # dict name -> buffer
         self.offset = 0
         self.dims = None  # (H, D_k, D_v)
@@ -160,7 +166,8 @@ class TurboQuantCache(CompressedCache):
         self.rot_k = random_rotation(H, Dk, self.seed)
         self.rot_v = random_rotation(H, Dv, self.seed + 7)
         self.sketch = sketch_matrix(H, Dk, self.seed)
-        self.cb_k = mx.array(codebook(Dk, self.key_bits - 1).astype(np.float32))
+        self.code_bits = self.key_bits - 1 if self.qjl else self.key_bits  # keys' bits a coordinate
+        self.cb_k = mx.array(codebook(Dk, self.code_bits).astype(np.float32))
         self.cb_v = mx.array(codebook(Dv, self.value_bits).astype(np.float32))
 
     def quantize(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
@@ -169,16 +176,18 @@ class TurboQuantCache(CompressedCache):
         k_norm = mx.sqrt((k * k).sum(-1, keepdims=True))
         u = (k / mx.maximum(k_norm, 1e-30)) @ self.rot_k.swapaxes(-1, -2)[None]  # Pi k / ||k||  [B, H, S, Dk]
         k_codes = nearest(u, self.cb_k)
-        r = u - self.cb_k[k_codes]
-        signs = ((r @ self.sketch.swapaxes(-1, -2)[None]) >= 0).astype(mx.uint32)  # sign(S r) as bits
         v = values.astype(mx.float32)
         v_norm = mx.sqrt((v * v).sum(-1, keepdims=True))
         v_codes = nearest((v / mx.maximum(v_norm, 1e-30)) @ self.rot_v.swapaxes(-1, -2)[None], self.cb_v)
-        return {
-            "k_codes": pack(k_codes, self.key_bits - 1), "k_norms": k_norm[..., 0].astype(mx.float16),
-            "k_signs": pack(signs, 1), "k_res_norms": mx.sqrt((r * r).sum(-1)).astype(mx.float16),
+        stored = {
+            "k_codes": pack(k_codes, self.code_bits), "k_norms": k_norm[..., 0].astype(mx.float16),
             "v_codes": pack(v_codes, self.value_bits), "v_norms": v_norm[..., 0].astype(mx.float16),
         }
+        if self.qjl:
+            r = u - self.cb_k[k_codes]
+            signs = ((r @ self.sketch.swapaxes(-1, -2)[None]) >= 0).astype(mx.uint32)  # sign(S r) as bits
+            stored.update(k_signs=pack(signs, 1), k_res_norms=mx.sqrt((r * r).sum(-1)).astype(mx.float16))
+        return stored
 
     # -- mlx-lm protocol ------------------------------------------------------------------------
 
@@ -222,11 +231,13 @@ class TurboQuantCache(CompressedCache):
         a = {name: x[:, :, : T - S] for name, x in self.arrays.items()}
         q = queries.astype(mx.float32).reshape(B, H, G * L, Dk)
         q_rot = q @ self.rot_k.swapaxes(-1, -2)[None]  # Pi q  [B, H, G*L, Dk]
-        q_sketch = q_rot @ self.sketch.swapaxes(-1, -2)[None]  # S Pi q
-        centroids = self.cb_k[unpack(a["k_codes"], self.key_bits - 1, Dk)]  # [B, H, T - S, Dk]
-        signs = unpack(a["k_signs"], 1, Dk).astype(mx.float32) * 2 - 1  # [B, H, T - S, Dk]
-        qjl = math.sqrt(math.pi / 2) / Dk * a["k_res_norms"].astype(mx.float32)[:, :, None]  # [B, H, 1, T - S]
-        scores = q_rot @ centroids.swapaxes(-1, -2) + qjl * (q_sketch @ signs.swapaxes(-1, -2))
+        centroids = self.cb_k[unpack(a["k_codes"], self.code_bits, Dk)]  # [B, H, T - S, Dk]
+        scores = q_rot @ centroids.swapaxes(-1, -2)
+        if self.qjl:
+            q_sketch = q_rot @ self.sketch.swapaxes(-1, -2)[None]  # S Pi q
+            signs = unpack(a["k_signs"], 1, Dk).astype(mx.float32) * 2 - 1  # [B, H, T - S, Dk]
+            qjl = math.sqrt(math.pi / 2) / Dk * a["k_res_norms"].astype(mx.float32)[:, :, None]  # [B, H, 1, T - S]
+            scores = scores + qjl * (q_sketch @ signs.swapaxes(-1, -2))
         scores = scores * a["k_norms"].astype(mx.float32)[:, :, None]  # [B, H, G*L, T - S]
         if S:
             scores = mx.concatenate([scores, q @ fresh_k.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
@@ -253,9 +264,10 @@ class TurboQuantCache(CompressedCache):
         its dequantization sqrt(pi/2)/D ||r|| S^T sign(S r))."""
         H, Dk, Dv = self.dims
         a = self._used()
-        signs = unpack(a["k_signs"], 1, Dk).astype(mx.float32) * 2 - 1
-        residual = math.sqrt(math.pi / 2) / Dk * a["k_res_norms"].astype(mx.float32)[..., None] * (signs @ self.sketch[None])
-        u = self.cb_k[unpack(a["k_codes"], self.key_bits - 1, Dk)] + residual
+        u = self.cb_k[unpack(a["k_codes"], self.code_bits, Dk)]
+        if self.qjl:
+            signs = unpack(a["k_signs"], 1, Dk).astype(mx.float32) * 2 - 1
+            u = u + math.sqrt(math.pi / 2) / Dk * a["k_res_norms"].astype(mx.float32)[..., None] * (signs @ self.sketch[None])
         keys = (u @ self.rot_k[None]) * a["k_norms"].astype(mx.float32)[..., None]
         values = (self.cb_v[unpack(a["v_codes"], self.value_bits, Dv)] @ self.rot_v[None]) * a["v_norms"].astype(mx.float32)[..., None]
         return keys, values
@@ -277,20 +289,20 @@ class TurboQuantCache(CompressedCache):
 
     # mlx-lm 0.32's loader rebuilds a cache from `state` alone (`from_state`): the arrays, then one
     # string with the bit widths, the seed and the dims (the rotations and the sketch are redrawn)
-    ARRAYS = ("k_codes", "k_norms", "k_signs", "k_res_norms", "v_codes", "v_norms")
-
     @property
     def state(self):
         a = self._used()
         H, Dk, Dv = self.dims
-        return [*(a[name] for name in self.ARRAYS), f"{self.key_bits},{self.value_bits},{self.seed},{H},{Dk},{Dv}"]
+        return [*(a[name] for name in sorted(a)), f"{self.key_bits},{self.value_bits},{self.seed},{int(self.qjl)},{H},{Dk},{Dv}"]
 
     @state.setter
     def state(self, v):
         *arrays, meta = v
-        self.key_bits, self.value_bits, self.seed, H, Dk, Dv = map(int, meta.split(","))
+        self.key_bits, self.value_bits, self.seed, qjl, H, Dk, Dv = map(int, meta.split(","))
+        self.qjl = bool(qjl)
         self._setup(H, Dk, Dv)
-        self.arrays = dict(zip(self.ARRAYS, arrays))
+        names = ("k_codes", "k_norms", "v_codes", "v_norms") + (("k_res_norms", "k_signs") if self.qjl else ())
+        self.arrays = dict(zip(sorted(names), arrays))
         self.offset = self.arrays["k_norms"].shape[2]
         self._fresh = None
 

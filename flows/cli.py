@@ -1,4 +1,4 @@
-"""`kvcompress` command line: sweep, report, check, methods, grid-schema."""
+"""`kvcompress` command line: sweep, report, check, methods, grid-schema, doctor."""
 
 from __future__ import annotations
 
@@ -231,6 +231,18 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    """This machine's back-end, versions, BLAS, each kernel's path and why, and a model smoke test;
+    exit 1 when a fused kernel failed its self-test."""
+    from kvcompress import doctor
+
+    with warnings.catch_warnings():  # a failed self-test's warning says what the report says
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = doctor.run(quick=args.quick)
+    print(json.dumps(report.to_dict(), indent=2) if args.format == "json" else doctor.to_text(report))
+    return 1 if report.failed() else 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcompress", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -273,6 +285,11 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("grid-schema", help="print the JSON Schema of a sweep grid file (for editors)")
     g.add_argument("--kind", choices=["quality", "speed"], default="quality", help="a quality grid or a speed grid")
     g.set_defaults(func=cmd_grid_schema)
+
+    d = sub.add_parser("doctor", help="check this machine: back-end, versions, BLAS, each kernel's path and why")
+    d.add_argument("--quick", action="store_true", help="skip the speed check and the model's smoke answer")
+    d.add_argument("--format", choices=["text", "json"], default="text", help="json: for a bug report")
+    d.set_defaults(func=cmd_doctor)
     return p
 
 

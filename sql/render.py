@@ -19,6 +19,7 @@ from pathlib import Path
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .db import DEFAULT_REPORTS, connect, run_report
 
@@ -168,7 +169,20 @@ def screen(con, sweep_id: str) -> list:
                     _number(r["score_mean"], ".2f") + ci, versus, _number(r["kl_mean"], ".2g"),
                     _number(r["top1_agree"], ".2f"), _number(r["kv_ratio_to_full"], ".2f"),
                     _number(r["decode_tok_s"], ".1f"))
-    return [out]
+    return [out, *kernel_footnote(summary)]
+
+
+def kernel_footnote(summary: list[dict]) -> list:
+    """A line per config whose runs recorded kernel paths (summary.sql's `kernels`): which path, fused
+    or the MLX reference, produced its numbers."""
+    paths: dict[str, set[str]] = {}
+    for r in summary:
+        if r.get("kernels"):
+            paths.setdefault(r["config_label"], set()).update(r["kernels"].split(" | "))
+    if not paths:
+        return []
+    return [Text("kernels (path per config, from config.kernels; a line per set of paths):\n" + "\n".join(
+        f"  {label}: {one}" for label, p in sorted(paths.items()) for one in sorted(p)))]
 
 
 def speed_screen(con, sweep_id: str) -> list:

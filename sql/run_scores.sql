@@ -52,6 +52,10 @@ full_cache_scores AS (
 )
 SELECT o.* EXCLUDE (config_label),
        f.score_full,
+       -- the path each kernel took ("kivi_decode_attention/cpu/float32 fused, ..."): config.kernels,
+       -- as the runner records it (dispatch.paths_used()); NULL where no kernel ran or none was recorded
+       nullif(array_to_string([e.key || ' ' || e.value FOR e IN
+           map_entries(CAST(json_extract(o.config, '$.kernels') AS MAP(VARCHAR, VARCHAR)))], ', '), '') AS kernel_paths,
        o.live_kv_bytes / nullif(o.full_kv_bytes, 0) AS kv_ratio_to_full,
        coalesce(o.config_label,  -- written by the runner; rebuilt from the grid columns otherwise
                 concat_ws(' ', o.method,
@@ -78,7 +82,9 @@ WITH cells AS (
            avg(top1_agree) AS top1_agree,
            avg(live_kv_bytes) AS live_kv_bytes,
            avg(kv_ratio_to_full) AS kv_ratio_to_full,
-           avg(decode_tok_s) AS decode_tok_s
+           avg(decode_tok_s) AS decode_tok_s,
+           -- runs of one config that took different paths (two machines) list each, ' | ' between
+           string_agg(DISTINCT kernel_paths, ' | ' ORDER BY kernel_paths) AS kernels
     FROM run_scores
     GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, protocol, config_label, dataset, task, context_tokens
 )

@@ -734,3 +734,34 @@ def test_report_formats_for_scripts(fixture_results):
     titles = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("== ")]
     assert titles == ["summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
                       "compare_sweeps"]
+
+
+def test_summary_and_screen_show_each_configs_kernel_paths(tmp_path):
+    """config.kernels (dispatch.paths_used(), as the runner records it) becomes summary's `kernels`
+    column and a footnote on the one-screen report; a config run on two machines lists both paths."""
+    from kvcompress.results import write_run
+    from kvcompress_reports import connect, run_report
+    from kvcompress_reports.render import screen, to_text
+    from tests.test_results import make_run, make_steps
+
+    root = str(tmp_path / "results")
+    cpu = {"kivi_decode_attention/cpu/float32": "fused", "kivi_quantize_pack/cpu/float32": "reference"}
+    gpu = {"kivi_decode_attention/cuda/float16": "fused", "kivi_quantize_pack/cuda/float16": "fused"}
+    runs = [("f0", "full", "full", None), ("k0", "kivi", "kivi bits=2", cpu), ("k1", "kivi", "kivi bits=2", gpu),
+            ("k2", "kivi", "kivi bits=2", cpu), ("old", "snapkv", "snapkv budget=0.5", None)]
+    for rid, method, label, kernels in runs:
+        config = json.dumps({"method": {"name": method}, **({"kernels": kernels} if kernels is not None else {})})
+        if rid == "f0":
+            config = json.dumps({"kernels": {}})  # no kernel ran
+        run = make_run(rid, method, 1.0, 500, config=config, config_label=label, sample_id=rid[-1])
+        write_run(root, "k", method, run, make_steps(rid, [0.1], [True]))
+    columns, rows = run_report(connect(root), "summary")
+    kernels = {r[columns.index("config_label")]: r[columns.index("kernels")] for r in rows}
+    assert kernels == {
+        "full": None, "snapkv budget=0.5": None,
+        "kivi bits=2": "kivi_decode_attention/cpu/float32 fused, kivi_quantize_pack/cpu/float32 reference | "
+                       "kivi_decode_attention/cuda/float16 fused, kivi_quantize_pack/cuda/float16 fused"}
+    text = to_text(*screen(connect(root), "k"))
+    assert text.endswith("kernels (path per config, from config.kernels; a line per set of paths):\n"
+                         "  kivi bits=2: kivi_decode_attention/cpu/float32 fused, kivi_quantize_pack/cpu/float32 reference\n"
+                         "  kivi bits=2: kivi_decode_attention/cuda/float16 fused, kivi_quantize_pack/cuda/float16 fused")

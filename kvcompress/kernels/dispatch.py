@@ -27,6 +27,7 @@ ENV = "KVCOMPRESS_KERNELS"
 MODES = ("auto", "reference", "fused")
 
 _verdicts: dict[tuple, str] = {}  # (kernel, backend, dtype, variant) -> "fused" | "reference"
+_failures: dict[tuple, str] = {}  # the same key -> why its self-test failed ("TypeError: ...")
 _paths: dict[str, str] = {}  # "kernel/backend/dtype" -> path of the latest call since reset_paths()
 
 
@@ -102,6 +103,7 @@ def _decide(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None],
             _verdicts[key] = "fused"
         except Exception as exc:  # any failure means: do not trust this kernel here
             _verdicts[key] = "reference"
+            _failures[key] = f"{type(exc).__name__}: {exc}"
             warnings.warn(
                 f"kvcompress: fused kernel {kernel} ({backend}, {_dtype_name(dtype)}, {variant}) failed its "
                 f"self-test, using the MLX reference instead: {type(exc).__name__}: {exc}",
@@ -110,6 +112,23 @@ def _decide(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None],
             )
     path = _verdicts[key]
     return (backend if path == "fused" else None), path_key, path, False
+
+
+def explain(kernel: str, dtype, variant: tuple, selftest: Callable[[str], None], cpu: bool = False) -> tuple[str, str]:
+    """(path, why) for a call as `select` takes it (running the self-test if not yet run): what
+    `kvcompress doctor` prints per kernel."""
+    backend = select(kernel, dtype, variant, selftest, cpu)
+    forced = mode()
+    if forced != "auto":
+        return ("reference" if backend is None else "fused"), f"{ENV}={forced}" + (", no self-test" * (backend is not None))
+    if backend is not None:
+        return "fused", f"self-test passed on {backend}"
+    tried = gpu_backend() or ("cpu" if cpu and mx.default_device() == mx.cpu else None)
+    if tried is None:
+        return "reference", (f"no GPU back-end: default device {mx.default_device()}, CUDA "
+                             f"{'available' if mx.cuda.is_available() else 'absent'}, Metal "
+                             f"{'available' if mx.metal.is_available() else 'absent'}, no CPU kernel")
+    return "reference", f"self-test failed on {tried}: {_failures.get((kernel, tried, _dtype_name(dtype), variant), '?')}"
 
 
 def record_reference(kernel: str, dtype) -> None:
@@ -137,6 +156,7 @@ def forget_verdicts() -> None:
     """Drop cached self-test results and the answers kept per key (tests that swap a kernel source
     or simulate a GPU call this)."""
     _verdicts.clear()
+    _failures.clear()
     _decisions.clear()
     _reference_keys.clear()
 

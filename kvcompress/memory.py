@@ -12,6 +12,7 @@ from __future__ import annotations
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
+from .adapter import layer_kind
 from .methods.base import CompressedCache
 
 
@@ -30,7 +31,7 @@ def layer_live_kv_bytes(cache) -> int:
         # more (the update's tokens) until the next step trims it back to the window
         held = layer_tokens_kept(cache)
         return sum(a.nbytes // a.shape[2] * held for a in (cache.keys, cache.values))
-    if type(cache).__name__ in ("ArraysCache", "MambaCache"):  # a recurrent layer's state
+    if layer_kind(cache) == "recurrent":  # a recurrent layer's state
         return sum(a.nbytes for _, a in tree_flatten(cache.state) if a is not None)
     raise TypeError(f"cannot measure live KV bytes of {type(cache).__name__}")
 
@@ -45,7 +46,7 @@ def layer_tokens_kept(cache) -> int:
 
 def _attention_caches(prompt_cache: list) -> list:
     """The layers that hold tokens (recurrent layers hold a state instead)."""
-    return [c for c in prompt_cache if type(c).__name__ not in ("ArraysCache", "MambaCache")]
+    return [c for c in prompt_cache if layer_kind(c) != "recurrent"]
 
 
 def live_kv_bytes(prompt_cache: list) -> int:

@@ -33,10 +33,11 @@ class MlxQuant(Method):
 
     def make_cache(self, model) -> list:
         install()  # sink layers' caches attend themselves
-        caches = super().make_cache(model)
+        build = super().make_cache  # refuses what the layout rules out (ConfigError) first
+        caches = build(model)
         # some models handle the arrays mlx-lm's QuantizedKVCache returns themselves (Phi-2 reads
-        # `values.dtype` of what is a tuple here): one probe-sized pass finds out before any work
-        error = trial_error(model, f"mlx-quant-{self.bits}-{self.group_size}", lambda: super(MlxQuant, self).make_cache(model))
+        # `values.dtype` of what is a tuple here): one probe-sized pass, once per model, finds out
+        error = trial_error(model, f"mlx-quant-{self.bits}-{self.group_size}", lambda: build(model))
         if error:
             raise ConfigError(f"mlx-quant: mlx-lm's QuantizedKVCache does not run on {model_layout(model).model_class} "
                               f"({error}); 'kivi' may")

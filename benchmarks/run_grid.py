@@ -3,6 +3,9 @@ machine). Resumable: finished runs are skipped, so a killed run picks up where i
 
     python benchmarks/run_grid.py benchmarks/grids/quality.yaml --results results-quality
 
+A speed grid (`kind: speed`, docs/speed.md) runs its groups one after another in this process, as
+the `speed` flow does (where Prefect is not installed, e.g. the lent GPU machine).
+
 Several processes split one grid with `--workers N --worker I` (shard i goes to worker i mod N after
 the interleaved ordering), e.g. N processes sharing one GPU; `--deadline S` starts no shard after S
 seconds, so a time-limited job ends cleanly and the next one resumes.
@@ -14,8 +17,8 @@ import argparse
 import time
 
 import kvcompress  # noqa: F401  (first: OpenBLAS before MLX)
-from kvcompress.execute import execute_shard
-from kvcompress.sweep import load_spec
+from kvcompress.execute import check_speed_plan, execute_shard, execute_speed_group
+from kvcompress.sweep import SpeedSpec, load_spec
 
 
 def main() -> None:
@@ -32,6 +35,9 @@ def main() -> None:
     if not 0 <= args.worker < args.workers:
         parser.error(f"--worker: expected 0 .. {args.workers - 1}, got {args.worker}")
     spec = load_spec(args.grid)
+    if isinstance(spec, SpeedSpec):
+        run_speed(spec, args.results, args.sweep_id or spec.name)
+        return
     shards = spec.shards()
     if args.interleave:
         shards = sorted(shards, key=lambda s: s.sample_index)  # stable: dataset order within an index
@@ -45,6 +51,17 @@ def main() -> None:
                                args.results, spec.run_timeout_s)
         print(f"[{time.time() - start:7.0f} s] shard {i + 1}/{len(shards)} {shard.dataset} "
               f"{shard.dataset_params.get('context_tokens')} #{shard.sample_index}: {counts}", flush=True)
+
+
+def run_speed(spec: SpeedSpec, results: str, sweep_id: str) -> None:
+    """Every group of a speed grid, one after another (resumable: finished measurements are skipped)."""
+    start = time.time()
+    plan = spec.plan()
+    check_speed_plan(plan)
+    for group in plan.groups:
+        counts = execute_speed_group(plan, group, sweep_id, results,
+                                     lambda line: print(f"[{time.time() - start:7.0f} s] {line}", flush=True))
+        print(f"[{time.time() - start:7.0f} s] {group.describe()}: {counts}", flush=True)
 
 
 if __name__ == "__main__":

@@ -50,3 +50,21 @@ def test_the_cpu_kernels_suite_runs_at_smoke_sizes():
     row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["256"])
     assert float(row[-1].rstrip("x")) > 2, row
     assert "| h2o | 256 | 3 |" in out.stdout and "| streaming | 256 | 3 |" in out.stdout
+
+
+def test_run_grid_measures_a_speed_grid_without_prefect(tmp_path):
+    """benchmarks/run_grid.py runs a speed grid's groups in-process (the lent GPU has no Prefect), into
+    the `speed` table, and a rerun skips the finished measurements."""
+    grid = tmp_path / "tiny-speed.yaml"
+    grid.write_text("kind: speed\nname: tiny-speed\nmodel: {shape: tiny-llama, dtype: float32}\n"
+                    "context_tokens: [64]\nbatch: [2]\nsteps: 2\nrounds: 1\nwarmup: 1\n"
+                    "methods:\n  - name: full\n  - name: streaming\n    grid: {budget: [0.5]}\n")
+    results = tmp_path / "results"
+    command = [sys.executable, "benchmarks/run_grid.py", str(grid), "--results", str(results)]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "{'skipped': 0, 'ran': 2, 'failed': 0}" in out.stdout
+    files = sorted(p.parent.name for p in (results / "speed" / "sweep_id=tiny-speed").rglob("*.parquet"))
+    assert files == ["method=full", "method=streaming"]
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "{'skipped': 2, 'ran': 0, 'failed': 0}" in again.stdout, again.stdout + again.stderr

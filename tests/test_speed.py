@@ -179,5 +179,5 @@ def test_the_speed_deployments_and_built_in_grids():
         assert isinstance(spec, SpeedSpec) and spec.plan().runs >= 5
     h200 = load_spec("speed-h200").plan()
     assert h200.model.identity()["config"]["hidden_size"] == 4096 and h200.model.resolved_dtype() == "float16"
-    assert [(g.context_tokens, g.kv_budget_bytes) for g in h200.groups] == [(32768, 16 * 2**30)]
+    assert [(g.context_tokens, g.kv_budget_bytes) for g in h200.groups] == [(32768, 16 * 2**30), (131072, 16 * 2**30)]
     assert {m.label() for m in h200.methods} >= {"full", "kivi bits=2", "kivi bits=4", "snapkv budget=0.5"}

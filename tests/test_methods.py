@@ -118,3 +118,20 @@ def test_streaming_drop_in_matches_full_cache_when_budget_covers_context(embedde
     small = kvcompress.make_cache(model, "streaming", budget=16, n_sink=4)
     list(stream_generate(model, tokenizer, prompt, max_tokens=12, prompt_cache=small))
     assert tokens_kept(small) == 16 and small[0].offset == len(prompt) + 12  # mlx-lm computes one step ahead
+
+
+@pytest.mark.parametrize("name", sorted(kvcompress.methods.REGISTRY))
+def test_every_cache_deep_copies_and_the_copy_decodes_alike(embedded, name):
+    """The runner copies a compressed context for each use (copy.deepcopy: one per protocol, and the
+    answer pass). A cache holding something that cannot be copied (an mx.Dtype: TurboQuant's, which
+    failed every query-agnostic run on the H200 on 2026-12-05) must not reach a sweep."""
+    import copy
+
+    model, _ = embedded
+    caches = kvcompress.make_cache(model, name)  # defaults: eviction keeps half the prompt
+    tokens = mx.array([list(range(100, 260))])
+    model(tokens, cache=caches)
+    model(mx.array([[7]]), cache=caches)  # the prompt's last query alone: eviction caches compress here
+    twin = copy.deepcopy(caches)
+    step = mx.array([[11]])
+    assert mx.array_equal(model(step, cache=twin), model(step, cache=caches)).item()

@@ -158,6 +158,16 @@ class TurboQuantCache(CompressedCache):
         self.dims = None  # (H, D_k, D_v)
         self._fresh = None  # (keys, values) of the tokens of the current call, until its attention
 
+    # an mx.Dtype cannot be pickled, so copy.deepcopy (the runner copies a compressed context for each
+    # of its uses) could not copy a cache holding one: the cache keeps the dtype's name
+    @property
+    def dtype(self) -> mx.Dtype:
+        return getattr(mx, self._dtype_name)
+
+    @dtype.setter
+    def dtype(self, value: mx.Dtype) -> None:
+        self._dtype_name = str(value).rsplit(".", 1)[-1]
+
     # -- quantization ---------------------------------------------------------------------------
 
     def _setup(self, H: int, Dk: int, Dv: int):

@@ -14,7 +14,7 @@ appends to the quantizer's cache. So the prompt's own attention is full precisio
 generate, the prompt's last token (fed alone) too, as the eviction cache compresses after it.
 
 Refused with a ConfigError: methods whose kept set changes while decoding (H2O, Keyformer, TOVA,
-StreamingLLM, KNorm, random: `evicts_while_decoding`). Evicting one token from KIVI's packed
+StreamingLLM; KNorm and random with decoding="evict": `evicts_while_decoding`). Evicting one token from KIVI's packed
 groups would re-quantize its group (every other token's codes change) or leave a hole the group's
 scales still span; neither is the paper's method nor exact, so they are not built.
 
@@ -59,7 +59,7 @@ def prompt_once_methods() -> list[str]:
     """The eviction methods that compress the prompt once and never evict while decoding."""
     from . import REGISTRY
 
-    return sorted(name for name, cls in REGISTRY.items() if issubclass(cls, Eviction) and cls.decode == "grow")
+    return sorted(name for name, cls in REGISTRY.items() if issubclass(cls, Eviction) and not cls().evicts_while_decoding)
 
 
 def quantizer_config(owner: Eviction, value: Any) -> Method | None:
@@ -92,7 +92,7 @@ def quantizer_config(owner: Eviction, value: Any) -> Method | None:
         raise ConfigError(
             f"{field}: {owner.name} evicts while decoding, and a token cannot be evicted from quantized storage "
             f"exactly (KIVI packs keys in groups of tokens); expected None, or a method that compresses the prompt "
-            f"once: one of {prompt_once_methods()}")
+            f"once: one of {prompt_once_methods()} (as configured by default)")
     return config
 
 

@@ -19,7 +19,8 @@ from kvcompress.methods import method_config
 from kvcompress.runner import RunContext, run_sample
 
 QUANTIZERS = {"none": None, "kivi-4": {"name": "kivi", "bits": 4}, "kivi-2": {"name": "kivi", "bits": 2},
-              "turboquant-3": {"name": "turboquant", "bits": 3}}
+              "turboquant-3": {"name": "turboquant", "bits": 3},
+              "turboquant-3 mse keys": {"name": "turboquant", "bits": 3, "qjl": False}}
 
 
 def methods(budget: float) -> list:

@@ -246,11 +246,14 @@ def test_save_and_load_in_either_phase(tiny_llama, tmp_path, phase):
 
 def test_a_run_writes_rows_that_name_both(embedded):
     model, tokenizer = embedded
-    params = {"context_tokens": 256, "continuation_tokens": 4, "num_samples": 1, "seed": 0}
-    sample = load_dataset("lm", tokenizer=tokenizer, **params)[0]
+    params = {"context_tokens": 256, "num_samples": 1, "seed": 0}
+    sample = load_dataset("passkey", tokenizer=tokenizer, **params)[0]
     methods = [method_config("snapkv", budget=0.5), method_config("snapkv", budget=0.5, quantize=KIVI4)]
-    context = RunContext("smollm2-135m", "fp", "lm", params, 4)
-    plain, composed = run_sample(model, tokenizer, sample, methods, context)
+    context = RunContext("smollm2-135m", "fp", "passkey", params, None)  # the whole reference answer
+    plain, composed, plain_agnostic, agnostic = run_sample(model, tokenizer, sample, methods, context,
+                                                           protocols=("query_aware", "query_agnostic"))
+    # query-agnostic: the question part is appended to the store in one multi-token call
+    assert agnostic.run["status"] == "ok" and agnostic.run["config_label"].endswith("+ kivi bits=4 protocol=query_agnostic")
     assert composed.run["status"] == "ok", composed.run["error"]
     assert composed.run["config_label"] == "snapkv budget=0.5 + kivi bits=4"
     assert (composed.run["budget"], composed.run["bits"]) == (0.5, 4.0)

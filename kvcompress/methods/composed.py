@@ -14,9 +14,9 @@ appends to the quantizer's cache. So the prompt's own attention is full precisio
 generate, the prompt's last token (fed alone) too, as the eviction cache compresses after it.
 
 Refused with a ConfigError: methods whose kept set changes while decoding (H2O, Keyformer, TOVA,
-StreamingLLM; KNorm and random with decoding="evict": `evicts_while_decoding`). Evicting one token from KIVI's packed
-groups would re-quantize its group (every other token's codes change) or leave a hole the group's
-scales still span; neither is the paper's method nor exact, so they are not built.
+StreamingLLM; KNorm and random with decoding="evict": `evicts_while_decoding`). Evicting one token
+from KIVI's packed groups would re-quantize its group (every other token's codes change) or leave a
+hole the group's scales still span; neither is the paper's method nor exact, so they are not built.
 
 Positions: keys keep their rotation at their true positions (only "exact" methods decode without
 eviction); `offset` is the true position of the next token, while the quantizer holds fewer tokens.

@@ -11,7 +11,8 @@ measure"), with the arguments those tables were made with:
   kernels   each kernel against its reference or yardstick: KIVI quantize-and-pack against a copy,
             KIVI / scored / prompt-scoring attention against SDPA, the eviction kernels against MLX;
             on a CPU the C++ KIVI kernel, the batched eviction update and the BLAS
-  memory    resident KV bytes per cache and prefill peaks per eviction method
+  memory    resident KV bytes per cache and prefill peaks per eviction method; eviction x quantization
+            (bytes and KL against the full cache)
   workers   a sweep with 1 and 2 Prefect shard workers on this machine
 
 Without --gpu the CPU variant runs; --quick shrinks every size to a smoke run of seconds to a minute
@@ -82,7 +83,9 @@ def kernels(gpu: bool, quick: bool, results: Path) -> list[list[str]]:
 def memory(gpu: bool, quick: bool, results: Path) -> list[list[str]]:
     if gpu:
         return [["eviction_gpu_memory.py", "32768", "131072", "--budget-s", "540"]]
-    return [["kivi_cpu.py", "memory"], ["eviction_cpu_8k.py", *(["1024"] if quick else []), "full", "h2o", "snapkv"]]
+    composition = ["--context", "256", "--continuation", "4", "--samples", "1"] if quick else []
+    return [["kivi_cpu.py", "memory"], ["eviction_cpu_8k.py", *(["1024"] if quick else []), "full", "h2o", "snapkv"],
+            ["composition_cpu.py", *composition]]
 
 
 def workers(gpu: bool, quick: bool, results: Path) -> list[list[str]]:

@@ -22,7 +22,9 @@ A spec (YAML file, built-in name or dict):
 
 Axes are per method, so a tau schedule multiplies keyformer cells only and bits multiply
 quantizer cells only. An axis whose values are mappings sets several parameters together (a tau
-schedule). A shard is one dataset sample with every method cell: one prefill serves them all.
+schedule), except on an axis named after a parameter whose values are mappings: `quantize: [null,
+{name: kivi, bits: 4}]` gives an eviction method's cells without and with a quantizer (methods/composed.py).
+A shard is one dataset sample with every method cell: one prefill serves them all.
 
 The spec is a pydantic model: the structure (keys, types) is checked when it is parsed, with
 errors naming the field (`datasets[0].seed: expected a valid integer, got 'x'`), and
@@ -57,6 +59,9 @@ from .shapes import DTYPES, SHAPES, model_classes, shape_config
 from .speed import SpeedModel, measurement_config
 
 GRIDS_DIR = Path(__file__).parent / "grids"
+# Parameters whose value is itself a mapping (an eviction method's quantizer): an axis named after
+# one takes its mappings as values, not as several parameters set together
+MAPPING_PARAMS = ("quantize",)
 
 # Rough CPU throughput of the embedded model (PLATFORM.md), for `--dry-run` cost estimates only.
 PREFILL_TOK_S = 150.0
@@ -110,11 +115,13 @@ class MethodAxis(_Strict):
     params: dict[str, Any] = Field(default_factory=dict, description="parameters every cell of this method has")
     grid: dict[str, _list_of(Any)] = Field(
         default_factory=dict,
-        description="axis name -> values; a mapping value sets several parameters together (a tau schedule)")
+        description="axis name -> values; a mapping value sets several parameters together (a tau schedule), "
+                    "except on the quantize axis, whose values are quantizer configs")
 
     def cells(self) -> list[dict[str, Any]]:
         """Parameter dicts of every cell: fixed params updated by one value of each axis."""
-        axes = [[v if isinstance(v, dict) else {key: v} for v in values] for key, values in self.grid.items()]
+        axes = [[v if isinstance(v, dict) and key not in MAPPING_PARAMS else {key: v} for v in values]
+                for key, values in self.grid.items()]
         return [
             {**self.params, **{k: v for choice in combo for k, v in choice.items()}}
             for combo in itertools.product(*axes)

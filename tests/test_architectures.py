@@ -7,6 +7,8 @@ one call, the last alone) and 8 greedy tokens, and compares with mlx-lm's own pr
 - lossless settings (`full`; every eviction method with a budget above prompt + answer) give
   exactly mlx-lm's tokens and the same log-probabilities;
 - KIVI at 8 bits stays within a few times mlx-lm's own 8-bit cache's error;
+- eviction with a quantizer (snapkv + kivi-8 above the prompt) stays within a few times plain
+  KIVI-8's error, and lossy compositions run;
 - lossy settings (half budgets, 2-bit KIVI) run and give finite log-probabilities;
 - a cell that cannot be right raises ConfigError from `make_cache`, before any token is fed.
 """
@@ -175,6 +177,35 @@ def test_kivi_8bit_within_mlx_lms_8bit_error(name, models):
     _, mlx_lp = _decode(model, mlx_quant, prompt)
     mlx_err = float(np.abs(mlx_lp - ref_lp).max())
     assert kivi_err <= max(4 * mlx_err, 1e-3), (kivi_err, mlx_err)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_eviction_with_a_quantizer_is_right_or_refused(name, models):
+    """snapkv + kivi-8 at a budget above the prompt keeps every token, held as 8-bit codes: within a few
+    times plain KIVI-8's error of mlx-lm's cache (its prompt's last token attends in full precision,
+    as the eviction cache compresses after it); the half budget with 2-bit codes and AdaKV's padded
+    rows over TurboQuant run. Refused where either part is (methods/composed.py)."""
+    model, prompt, (ref_tokens, ref_lp) = models(name)
+    lossless = {"budget": LOSSLESS_BUDGET, "quantize": {"name": "kivi", "bits": 8, "group_size": 32, "residual": 32}}
+    lossy = (("snapkv", {"budget": 0.5, "recent": 8, "quantize": {"name": "kivi", "bits": 2, "residual": 32}}),
+             ("adakv", {"budget": 0.9, "quantize": {"name": "turboquant", "bits": 3}}))
+    reason = expected_refusal(name, "snapkv") or expected_refusal(name, "kivi")
+    if reason:
+        with pytest.raises(ConfigError, match=reason):
+            make_cache(model, "snapkv", **lossless)
+        return
+    _, kivi_lp = _decode(model, make_cache(model, "kivi", bits=8, group_size=32, residual=32), prompt)
+    _, lp = _decode(model, make_cache(model, "snapkv", **lossless), prompt)
+    kivi_err, err = float(np.abs(kivi_lp - ref_lp).max()), float(np.abs(lp - ref_lp).max())
+    assert err <= max(4 * kivi_err, 1e-3), (err, kivi_err)
+    for method, params in lossy:
+        if (reason := expected_refusal(name, params["quantize"]["name"])):
+            with pytest.raises(ConfigError, match=reason):
+                make_cache(model, method, **params)
+            continue
+        caches = make_cache(model, method, **params)
+        tokens, lp = _decode(model, caches, prompt)
+        assert np.isfinite(lp).all() and len(tokens) == ANSWER, (method, params)
 
 
 def test_the_matrix_covers_the_issue_families():

@@ -152,3 +152,21 @@ def test_cli_sweep_parses_and_validates_the_grid_once(tmp_path, embedded, prefec
     assert cli(["sweep", str(path), "--results", str(tmp_path / "results"), "--sweep-id", "once"]) == 0
     assert counts == {"parse": 1, "expand": 1} and budgets == [64]
     assert len(finished_run_ids(str(tmp_path / "results"), "once")) == 1
+
+
+def test_quantize_in_params_and_as_an_axis_multiplies_budget_by_quantizer():
+    axes = load_spec({**GRID, "methods": [
+        {"name": "snapkv", "grid": {"budget": [0.25, 0.5],
+                                    "quantize": [None, {"name": "kivi", "bits": 4}, {"name": "kivi", "bits": 2}]}},
+        {"name": "adakv", "params": {"quantize": {"name": "turboquant", "bits": 3}}},
+    ]})
+    labels = [c.label() for c in axes.method_configs()]
+    assert labels == ["snapkv budget=0.25", "snapkv budget=0.25 + kivi bits=4", "snapkv budget=0.25 + kivi bits=2",
+                      "snapkv budget=0.5", "snapkv budget=0.5 + kivi bits=4", "snapkv budget=0.5 + kivi bits=2",
+                      "adakv budget=0.5 + turboquant bits=3"]
+    shard = axes.shards()[0]
+    assert type(shard).from_dict(json.loads(json.dumps(shard.to_dict()))).methods == shard.methods  # Prefect's edge
+    with pytest.raises(SweepError, match=r"snapkv.quantize: kivi.bits: expected one of 2, 3, 4, 8, got 5"):
+        load_spec({**GRID, "methods": [{"name": "snapkv", "grid": {"quantize": [{"name": "kivi", "bits": 5}]}}]}).shards()
+    with pytest.raises(SweepError, match=r"h2o.quantize: h2o evicts while decoding"):
+        load_spec({**GRID, "methods": [{"name": "h2o", "params": {"quantize": {"name": "kivi"}}}]}).shards()

@@ -9,6 +9,7 @@ from ..adapter import LAYER_CHOICES
 from ..errors import ConfigError, build, check
 from .base import CompressedCache, Method
 from .adakv import AdaKV
+from .composed import ComposedCache
 from .criticalkv import CriticalKV
 from .expected_attention import ExpectedAttention
 from .full import Full
@@ -44,4 +45,4 @@ def list_methods() -> list[dict[str, Any]]:
     return [cls.describe() for cls in REGISTRY.values()]
 
 
-__all__ = ["REGISTRY", "CompressedCache", "ConfigError", "Method", "list_methods", "method_config"]
+__all__ = ["REGISTRY", "ComposedCache", "CompressedCache", "ConfigError", "Method", "list_methods", "method_config"]

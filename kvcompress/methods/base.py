@@ -50,6 +50,9 @@ class Method:
     # (hence the run id) carries it when nonzero, so a resumed sweep recomputes the method's old
     # runs instead of skipping them (ids of methods never bumped stay as they were).
     revision: ClassVar[int] = 0
+    # Set by quantizers whose cache can store an eviction method's kept tokens (`quantize`, see
+    # methods/composed.py): its cache takes a boolean mask in `attention` and builds empty by `new_cache(i)`.
+    stores_quantized: ClassVar[bool] = False
     # Which attention layers the method compresses (kvcompress/adapter.py): "global" (every
     # global-attention layer; sliding-window and recurrent layers keep the model's own cache) or
     # "all". Keyword-only, so subclasses declare their own fields as before.

@@ -64,8 +64,8 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -107,9 +107,16 @@ class Eviction(Method):
     # token is always the oldest one: an exact-position cache then evicts in ring order, tracked on
     # the host (EvictionCache._ring_slot), and writes a new token's score as a Python float.
     score_is_position: ClassVar[bool] = False
+    # A quantizer that stores the kept tokens (methods/composed.py): a mapping {"name": "kivi", "bits": 4,
+    # ...} or a quantizer config, held as the validated config; None keeps them in full precision.
+    # Keyword-only, as `layers`.
+    quantize: Any = field(default=None, kw_only=True)
 
     def __post_init__(self):
         n = self.name
+        from .composed import quantizer_config  # composed.py builds on this module
+
+        object.__setattr__(self, "quantize", quantizer_config(self, self.quantize))
         check_budget(f"{n}.budget", self.budget)
         recent_ok = (is_int(self.recent) and self.recent >= 0) or (isinstance(self.recent, float) and 0.0 <= self.recent < 1.0)
         check(recent_ok, f"{n}.recent", "a token count >= 0 or a budget fraction in [0, 1)", self.recent)
@@ -121,6 +128,30 @@ class Eviction(Method):
     @property
     def evicts_while_decoding(self) -> bool:
         return self.decode != "grow"
+
+    # -- identity with a quantizer (methods/composed.py) -------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The full configuration; `quantize` only where set (so configs without it keep their run ids),
+        as the quantizer's own full configuration."""
+        config = super().to_dict()
+        if self.quantize is None:
+            del config["quantize"]
+        else:
+            config["quantize"] = {k: v for k, v in self.quantize.to_dict().items() if k != "layers"}
+        return config
+
+    def label(self) -> str:
+        """The method's label, then the quantizer's: "snapkv budget=0.5 + kivi bits=4"."""
+        if self.quantize is None:
+            return super().label()
+        return f"{replace(self, quantize=None).label()} + {self.quantize.label()}"
+
+    def grid_columns(self) -> dict[str, float | None]:
+        columns = super().grid_columns()
+        if self.quantize is not None:  # budget from the eviction, bits from the quantizer
+            columns["bits"] = self.quantize.grid_columns()["bits"]
+        return columns
 
     # -- budget --------------------------------------------------------------------------------
 
@@ -220,7 +251,12 @@ class Eviction(Method):
 
     def make_cache(self, model) -> list:
         install()  # the caches attend themselves; without the hook nothing would be scored
-        return super().make_cache(model)
+        caches = super().make_cache(model)
+        if self.quantize is not None:
+            from .composed import compose  # composed.py builds on this module
+
+            compose(self, model, caches)
+        return caches
 
     def layer_cache(self, layer: AttentionLayer, i: int, n: int, layout: ModelLayout) -> "EvictionCache":
         if layer.value_dim != layer.head_dim:

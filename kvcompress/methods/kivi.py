@@ -48,6 +48,7 @@ class Kivi(PerSideBits, Method):
     """
 
     name = "kivi"
+    stores_quantized = True  # an eviction method's `quantize` may name it (methods/composed.py)
     bits: int = 2
     key_bits: int | None = None
     value_bits: int | None = None
@@ -75,6 +76,10 @@ class Kivi(PerSideBits, Method):
                 f"kivi.group_size: expected a divisor of the model's head_dim {layer.head_dim} "
                 f"and value dim {layer.value_dim} (values are grouped along channels), got {self.group_size}"
             )
+        return self.new_cache(i)
+
+    def new_cache(self, i: int) -> "KiviCache":
+        """An empty cache for the i-th compressed layer (the layer checked by `layer_cache`)."""
         return KiviCache(self.k_bits, self.v_bits, self.group_size, self.residual, self.residual_policy)
 
 

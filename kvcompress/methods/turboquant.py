@@ -54,6 +54,7 @@ class TurboQuant(PerSideBits, Method):
     """
 
     name = "turboquant"
+    stores_quantized = True  # an eviction method's `quantize` may name it (methods/composed.py)
     bits: int = 4
     key_bits: int | None = None
     value_bits: int | None = None
@@ -77,6 +78,10 @@ class TurboQuant(PerSideBits, Method):
         if layer.head_dim % 32 or layer.value_dim % 32:
             raise ConfigError(f"turboquant: key and value dims must be multiples of 32 (codes are packed in 32-bit "
                               f"words); {layout.model_class} has {layer.head_dim} and {layer.value_dim}")
+        return self.new_cache(i)
+
+    def new_cache(self, i: int) -> "TurboQuantCache":
+        """An empty cache for the i-th compressed layer (its own rotations: the seed and i)."""
         return TurboQuantCache(self.k_bits, self.v_bits, self.seed * 100_003 + i, self.qjl)
 
 

@@ -47,18 +47,19 @@ def _filled(key_bits=4, value_bits=4, T=80, D=64, H=2, seed=0, qjl=True):
 
 
 @pytest.mark.parametrize("bits", [(2, 2, True), (3, 4, True), (4, 4, True), (3, 2, False), (2.5, 3.5, True),
-                                  (3.5, 2.5, False)])
+                                  (3.5, 2.5, False), (2.5, 3, True, 48)])  # 48 dims: DeepSeek-V2's keys, words padded
 def test_attention_on_the_codes_equals_attention_over_what_they_stand_for(bits):
-    cache, _, _ = _filled(*bits[:2], qjl=bits[2])
+    D = bits[3] if len(bits) > 3 else 64
+    cache, _, _ = _filled(*bits[:2], D=D, qjl=bits[2])
     keys, values = cache.dequantized()
-    q = mx.random.normal((1, 6, 5, 64), key=mx.random.key(9))
+    q = mx.random.normal((1, 6, 5, D), key=mx.random.key(9))
     for mask in ("causal", None):
         out = cache.attention(q, cache, cache, 0.125, mask)
         ref = reference_attention(q, keys, values, 0.125, mask)
         assert float(mx.abs(out - ref).max()) < 1e-4
     # a call's own tokens attend exactly: a 3-token chunk over the codes of the rest and itself
-    k_new = mx.random.normal((1, 2, 3, 64), key=mx.random.key(11))
-    v_new = mx.random.normal((1, 2, 3, 64), key=mx.random.key(12))
+    k_new = mx.random.normal((1, 2, 3, D), key=mx.random.key(11))
+    v_new = mx.random.normal((1, 2, 3, D), key=mx.random.key(12))
     cache.update_and_fetch(k_new, v_new)
     out = cache.attention(q[:, :, :3], cache, cache, 0.125, "causal")
     ref = reference_attention(q[:, :, :3], mx.concatenate([keys, k_new], axis=2),

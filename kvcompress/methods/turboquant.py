@@ -47,7 +47,7 @@ import mlx_lm.models.cache as mlx_cache
 import numpy as np
 
 from ..attention import install, masked_softmax
-from ..errors import ConfigError, check
+from ..errors import check
 from .base import CompressedCache, Method, PerSideBits, array_bytes, write_rows
 
 BITS = (2, 2.5, 3, 3.5, 4)
@@ -84,9 +84,6 @@ class TurboQuant(PerSideBits, Method):
         return super().make_cache(model)
 
     def layer_cache(self, layer, i, n, layout):
-        if layer.head_dim % 32 or layer.value_dim % 32:
-            raise ConfigError(f"turboquant: key and value dims must be multiples of 32 (codes are packed in 32-bit "
-                              f"words); {layout.model_class} has {layer.head_dim} and {layer.value_dim}")
         return TurboQuantCache(self.k_bits, self.v_bits, self.seed * 100_003 + i, self.qjl)
 
 

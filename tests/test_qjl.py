@@ -138,6 +138,14 @@ def test_config_validates_and_saves_and_loads(tmp_path):
         method_config("qjl", buffer=40)
     with pytest.raises(ConfigError, match=r"qjl.value_bits: expected one of 2, 3, 4, 8"):
         method_config("qjl", value_bits=1)
+    from arch_models import tiny_model
+
+    model = tiny_model("llama")  # 32-dim heads
+    with pytest.raises(ConfigError, match=r"qjl.group_size: expected a divisor of the model's value dim 32"):
+        kvcompress.make_cache(model, "qjl", group_size=64, buffer=128)
+    with pytest.raises(ConfigError, match=r"qjl.outliers: expected fewer than the model's head_dim 32"):
+        kvcompress.make_cache(model, "qjl", outliers=32)
+    assert method_config("qjl").grid_columns()["bits"] is None  # m / head_dim bits a key coordinate: no one width
     cache, _, _ = _filled(T=90, prompt=70, buffer=32)
     from mlx_lm.models.cache import save_prompt_cache
 

@@ -90,10 +90,6 @@ class Qjl(Method):
               f"a positive multiple of group_size ({self.group_size})", self.buffer)
         check(is_int(self.seed), "qjl.seed", "an int", self.seed)
 
-    def grid_columns(self) -> dict[str, float | None]:
-        # keys' sign bits a coordinate are model-dependent (m / head_dim); a sweep groups by the value bits
-        return {"budget": None, "bits": float(self.value_bits), "tau_init": None, "tau_end": None}
-
     def make_cache(self, model) -> list:
         install()  # the caches attend over their codes themselves
         return super().make_cache(model)

@@ -133,7 +133,7 @@ class QjlCache(CompressedCache):
         self.m, self.m_out, self.outliers, self.value_bits = sketch_dim, outlier_sketch_dim, outliers, value_bits
         self.group_size, self.buffer, self.seed = group_size, buffer, seed
         self.offset = self.n_keys = self.n_values = 0
-        self.keys = self.values = self.groups = None  # name -> buffer (rows allocated ahead)
+        self.key_codes = self.value_codes = self.key_groups = None  # name -> buffer (rows allocated ahead)
         self.key_tail = self.value_tail = None
         self.dims = None  # (H, D_k, D_v)
         self._fresh = None  # (keys, values) of the tokens of the current call, until its attention
@@ -173,9 +173,9 @@ class QjlCache(CompressedCache):
         whole groups): [B, H, M, n]."""
         B, H, M, D = q.shape
         G, ng = self.group_size, n // self.group_size
-        signs = unpack(self.keys["k_signs"][:, :, :n], 1, self.m).astype(mx.float32) * 2 - 1  # [B, H, n, m]
-        signs_out = unpack(self.keys["k_out_signs"][:, :, :n], 1, self.m_out).astype(mx.float32) * 2 - 1
-        pick = one_hot(self.groups["k_outliers"][:, :, :ng], D)  # [B, H, ng, D, o]
+        signs = unpack(self.key_codes["k_signs"][:, :, :n], 1, self.m).astype(mx.float32) * 2 - 1  # [B, H, n, m]
+        signs_out = unpack(self.key_codes["k_out_signs"][:, :, :n], 1, self.m_out).astype(mx.float32) * 2 - 1
+        pick = one_hot(self.key_groups["k_outliers"][:, :, :ng], D)  # [B, H, ng, D, o]
         q_out = q[:, :, None] @ pick  # [B, H, ng, M, o]: the query's outlier channels per group
         S_cols = self.S @ pick  # [B, H, ng, m', o]: S's columns at them
         # <S q_in, s> = <S q, s> - sum_j q_j <S[:, j], s> over the group's outlier channels j
@@ -185,8 +185,8 @@ class QjlCache(CompressedCache):
         inner = inner - (q_out @ w_in.swapaxes(-1, -2)).swapaxes(2, 3).reshape(B, H, M, n)
         inner_out = (q_out @ w_out.swapaxes(-1, -2)).swapaxes(2, 3).reshape(B, H, M, n)
         c_in, c_out = math.sqrt(math.pi / 2) / self.m, math.sqrt(math.pi / 2) / self.m_out
-        norms = self.keys["k_in_norms"][:, :, :n].astype(mx.float32)[:, :, None]
-        norms_out = self.keys["k_out_norms"][:, :, :n].astype(mx.float32)[:, :, None]
+        norms = self.key_codes["k_in_norms"][:, :, :n].astype(mx.float32)[:, :, None]
+        norms_out = self.key_codes["k_out_norms"][:, :, :n].astype(mx.float32)[:, :, None]
         return c_in * norms * inner + c_out * norms_out * inner_out
 
     # -- mlx-lm protocol ------------------------------------------------------------------------
@@ -203,14 +203,14 @@ class QjlCache(CompressedCache):
         n = self.key_tail.shape[2] // self.buffer * self.buffer  # keys: whole buffers at a time
         if n:
             rows, outliers = self.quantize_keys(self.key_tail[:, :, :n])
-            self.keys = write_rows(self.keys, rows, self.n_keys)
-            self.groups = write_rows(self.groups, {"k_outliers": outliers}, self.n_keys // self.group_size)
+            self.key_codes = write_rows(self.key_codes, rows, self.n_keys)
+            self.key_groups = write_rows(self.key_groups, {"k_outliers": outliers}, self.n_keys // self.group_size)
             self.n_keys += n
             self.key_tail = self.key_tail[:, :, n:]
         n = max(0, self.value_tail.shape[2] - self.buffer)  # values: those older than the last `buffer`
         if n:
             codes, scales, zeros = quantize_pack(self.value_tail[:, :, :n], self.value_bits, self.group_size)
-            self.values = write_rows(self.values, {"v_codes": codes, "v_scales": scales, "v_zeros": zeros},
+            self.value_codes = write_rows(self.value_codes, {"v_codes": codes, "v_scales": scales, "v_zeros": zeros},
                                      self.n_values)
             self.n_values += n
             self.value_tail = self.value_tail[:, :, n:]
@@ -238,7 +238,7 @@ class QjlCache(CompressedCache):
         nv, exact_v = self._exact(self.value_tail, fresh_v, self.n_values)
         out = probs[..., nv:] @ exact_v.astype(mx.float32)
         if nv:
-            codes, scales, zeros = (self.values[name][:, :, :nv] for name in VALUE_NAMES)
+            codes, scales, zeros = (self.value_codes[name][:, :, :nv] for name in VALUE_NAMES)
             out = out + mx.quantized_matmul(probs[..., :nv], codes, scales.astype(mx.float32), zeros.astype(mx.float32),
                                             transpose=False, group_size=self.group_size, bits=self.value_bits)
         return out.reshape(B, n_q, L, Dv).astype(queries.dtype)
@@ -251,17 +251,17 @@ class QjlCache(CompressedCache):
         keys, values = [self.key_tail.astype(mx.float32)], [self.value_tail.astype(mx.float32)]
         if self.n_keys:
             n, G = self.n_keys, self.group_size
-            signs = unpack(self.keys["k_signs"][:, :, :n], 1, self.m).astype(mx.float32) * 2 - 1
-            signs_out = unpack(self.keys["k_out_signs"][:, :, :n], 1, self.m_out).astype(mx.float32) * 2 - 1
-            mask = one_hot(self.groups["k_outliers"][:, :, : n // G], Dk).sum(-1)  # [B, H, n/G, D]
+            signs = unpack(self.key_codes["k_signs"][:, :, :n], 1, self.m).astype(mx.float32) * 2 - 1
+            signs_out = unpack(self.key_codes["k_out_signs"][:, :, :n], 1, self.m_out).astype(mx.float32) * 2 - 1
+            mask = one_hot(self.key_groups["k_outliers"][:, :, : n // G], Dk).sum(-1)  # [B, H, n/G, D]
             mask = mx.repeat(mask, G, axis=2)  # [B, H, n, D]
-            k_in = math.sqrt(math.pi / 2) / self.m * self.keys["k_in_norms"][:, :, :n].astype(mx.float32)[..., None] \
+            k_in = math.sqrt(math.pi / 2) / self.m * self.key_codes["k_in_norms"][:, :, :n].astype(mx.float32)[..., None] \
                 * (signs @ self.S[: self.m])
-            k_out = math.sqrt(math.pi / 2) / self.m_out * self.keys["k_out_norms"][:, :, :n].astype(mx.float32)[..., None] \
+            k_out = math.sqrt(math.pi / 2) / self.m_out * self.key_codes["k_out_norms"][:, :, :n].astype(mx.float32)[..., None] \
                 * (signs_out @ self.S[: self.m_out])
             keys.insert(0, (1 - mask) * k_in + mask * k_out)
         if self.n_values:
-            codes, scales, zeros = (self.values[name][:, :, : self.n_values] for name in VALUE_NAMES)
+            codes, scales, zeros = (self.value_codes[name][:, :, : self.n_values] for name in VALUE_NAMES)
             values.insert(0, mx.dequantize(codes, scales, zeros, group_size=self.group_size, bits=self.value_bits)
                           .astype(mx.float32))
         return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
@@ -278,11 +278,11 @@ class QjlCache(CompressedCache):
         if self.dims is None:
             return {}
         held = {"key_tail": self.key_tail, "value_tail": self.value_tail}
-        if self.keys is not None:
-            held.update({name: self.keys[name][:, :, : self.n_keys] for name in KEY_NAMES})
-            held["k_outliers"] = self.groups["k_outliers"][:, :, : self.n_keys // self.group_size]
-        if self.values is not None:
-            held.update({name: self.values[name][:, :, : self.n_values] for name in VALUE_NAMES})
+        if self.key_codes is not None:
+            held.update({name: self.key_codes[name][:, :, : self.n_keys] for name in KEY_NAMES})
+            held["k_outliers"] = self.key_groups["k_outliers"][:, :, : self.n_keys // self.group_size]
+        if self.value_codes is not None:
+            held.update({name: self.value_codes[name][:, :, : self.n_values] for name in VALUE_NAMES})
         return held
 
     @property
@@ -311,9 +311,9 @@ class QjlCache(CompressedCache):
         held = dict(zip(names.split(";"), arrays))
         self.key_tail, self.value_tail = held["key_tail"], held["value_tail"]
         self._setup(self.key_tail.shape[0], H, Dk, Dv, self.value_tail.dtype)
-        self.keys = {name: held[name] for name in KEY_NAMES} if self.n_keys else None
-        self.groups = {"k_outliers": held["k_outliers"]} if self.n_keys else None
-        self.values = {name: held[name] for name in VALUE_NAMES} if self.n_values else None
+        self.key_codes = {name: held[name] for name in KEY_NAMES} if self.n_keys else None
+        self.key_groups = {"k_outliers": held["k_outliers"]} if self.n_keys else None
+        self.value_codes = {name: held[name] for name in VALUE_NAMES} if self.n_values else None
         self._fresh = None
 
 

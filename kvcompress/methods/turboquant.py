@@ -24,8 +24,9 @@ independent TurboQuant (own norm, rotation, codebook and sketch over its own dim
 outliers at ceil(bits) and the rest at floor(bits). The outliers are the round(frac * D) channels
 with the largest mean |x| over the layer's first call's tokens (the prompt; every head and token),
 kept for the layer's life, so the mean width is exactly `bits` (2.5 on D = 64: 32 channels at 3
-bits, 32 at 2). The paper's example (32 of 128 channels at 3 bits, 96 at 2) averages 2.25 bits, not
-the 2.5 it names; we follow mlx-vlm's count. mlx-vlm's `bits=3.5` alone means keys 3, values 4 (no
+bits, 32 at 2). The paper's example for 2.5 bits splits 32 of 128 channels at 3 bits and 96 at 2:
+2.25 bits of codes (2.5 if the two parts' float16 norms are counted, 0.25 a channel); we follow
+mlx-vlm's count, where the codes alone average the named width. mlx-vlm's `bits=3.5` alone means keys 3, values 4 (no
 split); here `bits=3.5` splits both sides, and key_bits / value_bits set each side.
 
 This module is the plain MLX reference (no fused kernel yet); it gathers the codebook entries of the

@@ -146,7 +146,7 @@ def test_config_validates_and_saves_and_loads(tmp_path, qjl, bits):
 
 @pytest.mark.slow
 def test_turboquant_on_the_embedded_model_more_bits_track_the_full_cache_closer(embedded):
-    """KL(full || turboquant) of the next token after a 250-token prompt held as codes, over 5 seeds
+    """KL(full || turboquant) of the next token after a 217-token prompt held as codes, over 5 seeds
     (rotations and sketches). It varies a lot with the seed (measured at 3 bits: 0.04 to 3.5; the
     QJL residual's variance on high-norm keys), so the medians are compared."""
     model, tokenizer = embedded

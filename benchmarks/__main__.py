@@ -5,7 +5,8 @@ benchmark's JIT, allocator or buffer-cache state must not time the next; docs/le
 measure"), with the arguments those tables were made with:
 
   quality   RULER / passkey scores per method (benchmarks/QUALITY.md): the grids run resumably into
-            --results, then the tables; the RULER parity table
+            --results, then the tables; the RULER parity table; the quantizers' next-token KL on the
+            embedded model (docs/methods.md)
   e2e       decode and prefill per cache: the 32-layer Llama-8B shape on a GPU (docs/gpus.md), the
             embedded model on a CPU; how much of a step attention is
   kernels   each kernel against its reference or yardstick: KIVI quantize-and-pack against a copy,
@@ -41,13 +42,15 @@ def quality(gpu: bool, quick: bool, results: Path) -> list[list[str]]:
         return [["run_grid.py", str(GRIDS / "quick.yaml"), "--results", str(results)],
                 ["quality_tables.py", "--results", str(results), "--pivot"],
                 ["ruler_parity.py", "--results", str(results / "ruler-parity.jsonl"), "-n", "1",
-                 "--tasks", "niah_single_2"]]
+                 "--tasks", "niah_single_2"],
+                ["quantizer_kl.py", "--quick"]]
     grids = [str(GRIDS / "quality_fixes.yaml"), str(GRIDS / "quality_ceiling.yaml")]
     # on a GPU 24 processes share it (the embedded model is small); resumable: rerun until every run is in
     runs = ([["gpu_grid.sh", "540", "24", *grids]] if gpu
             else [["run_grid.py", grid, "--interleave", "--results", str(results)] for grid in grids])
     return runs + [["quality_tables.py", "--results", str(results), "--pivot", "--protocols"],
-                   ["ruler_parity.py", "--results", str(results / "ruler-parity.jsonl")]]
+                   ["ruler_parity.py", "--results", str(results / "ruler-parity.jsonl")],
+                   ["quantizer_kl.py"]]
 
 
 def e2e(gpu: bool, quick: bool, results: Path) -> list[list[str]]:

@@ -55,3 +55,19 @@ def reference_attention(queries, keys, values, scale, mask=None) -> mx.array:
             logits = logits + mask
     probs = mx.softmax(logits, axis=-1).reshape(B, n_kv, rep, L, T)
     return (probs @ v).reshape(B, n_q, L, D).astype(queries.dtype)
+
+
+def masked_softmax(logits: mx.array, mask, sinks=None) -> mx.array:
+    """Attention probabilities [B, H_q, L, T] from scaled logits [B, H_q, L, T] for caches that score
+    their own codes: the model's mask (None, "causal" bottom-right aligned, boolean or additive) and,
+    where the model has them, one sink logit per query head [H_q] that joins the softmax and weights
+    no value (GPT-OSS)."""
+    B, n_q, L, T = logits.shape
+    if isinstance(mask, str):
+        mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
+    if mask is not None:
+        logits = mx.where(mask, logits, -mx.inf) if mask.dtype == mx.bool_ else logits + mask
+    if sinks is None:
+        return mx.softmax(logits, axis=-1, precise=True)
+    sink = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None, None], (B, n_q, L, 1))
+    return mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)[..., :-1]

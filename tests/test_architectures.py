@@ -9,7 +9,10 @@ one call, the last alone) and 8 greedy tokens, and compares with mlx-lm's own pr
 - KIVI at 8 bits stays within a few times mlx-lm's own 8-bit cache's error;
 - eviction with a quantizer (snapkv + kivi-8 above the prompt) stays within a few times plain
   KIVI-8's error, and lossy compositions run;
-- lossy settings (half budgets, 2-bit KIVI) run and give finite log-probabilities;
+- QJL with its default recent buffer (128 tokens, more than the 48 fed) holds every token exactly:
+  mlx-lm's tokens and log-probabilities, through its own attention;
+- lossy settings (half budgets, 2-bit KIVI, 3- and 2.5-bit TurboQuant, QJL with a 32-token buffer)
+  run and give finite log-probabilities;
 - a cell that cannot be right raises ConfigError from `make_cache`, before any token is fed.
 """
 
@@ -50,10 +53,10 @@ QUANTIZER_REFUSED = {"deepseek_v2": "divisor of the model's head_dim 48"}  # 48-
 def expected_refusal(name: str, method: str) -> str | None:
     if method == "full":
         return None
-    if method == "turboquant" and name == "deepseek_v2":
-        return "multiples of 32"
     if name in ATTENTION_REFUSED:
         return ATTENTION_REFUSED[name]
+    if method in ("qjl", "turboquant"):  # no channel groups on keys (QJL's values' groups divide every value dim here)
+        return None
     if method == "criticalkv" and name in OUTPUT_PROJECTION_REFUSED:
         return OUTPUT_PROJECTION_REFUSED[name]
     if method in EVICTION:
@@ -139,7 +142,8 @@ def test_lossy_settings_run(name, models):
                            ("keyformer", {"budget": 24, "positions": "compact"}), ("streaming", {"budget": 24}),
                            ("keydiff", {"budget": 0.5}), ("expected_attention", {"budget": 0.5}),
                            ("criticalkv", {"budget": 0.5, "scorer": "expected_attention"}),
-                           ("kivi", {"bits": 2, "group_size": 32, "residual": 32}), ("turboquant", {"bits": 3})):
+                           ("kivi", {"bits": 2, "group_size": 32, "residual": 32}), ("turboquant", {"bits": 3}),
+                           ("turboquant", {"bits": 2.5}), ("qjl", {"buffer": 32})):
         if reason := expected_refusal(name, method):
             with pytest.raises(ConfigError, match=reason):
                 make_cache(model, method, **params)
@@ -156,6 +160,18 @@ def test_lossy_settings_run(name, models):
             _decode(model, full, prompt)
             full_bytes = live_kv_bytes(full)
             assert live_kv_bytes(caches) < full_bytes
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_qjl_within_its_buffer_is_lossless_or_refused(name, models):
+    model, prompt, (ref_tokens, ref_lp) = models(name)
+    if reason := expected_refusal(name, "qjl"):
+        with pytest.raises(ConfigError, match=reason):
+            make_cache(model, "qjl")
+        return
+    tokens, lp = _decode(model, make_cache(model, "qjl"), prompt)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(lp, ref_lp, atol=2e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", ARCHS)

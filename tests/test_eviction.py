@@ -529,7 +529,8 @@ def _decoded(model, cfg):
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_cache_round_trips_through_mlx_lm_save_and_load(tiny_llama, name, tmp_path):
     model = tiny_llama
-    params = {"full": {}, "mlx-quant": dict(group_size=32), "kivi": dict(residual=32), "turboquant": {}}.get(name)
+    params = {"full": {}, "mlx-quant": dict(group_size=32), "kivi": dict(residual=32), "turboquant": {},
+              "qjl": dict(buffer=32)}.get(name)
     cfg = method_config(name, **params) if params is not None else small(name, 20)
     if name == "mlx-quant":
         try:

@@ -20,6 +20,7 @@ from .kivi import Kivi
 from .knorm import KNorm
 from .mlx_quant import MlxQuant
 from .pyramidkv import PyramidKV
+from .qjl import Qjl
 from .random_floor import Random
 from .snapkv import SnapKV
 from .streaming import Streaming
@@ -28,7 +29,7 @@ from .turboquant import TurboQuant
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Full, MlxQuant, Kivi, TurboQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm,
+    for cls in (Full, MlxQuant, Kivi, TurboQuant, Qjl, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm,
                 Random, KeyDiff, ExpectedAttention, CriticalKV)
 }
 

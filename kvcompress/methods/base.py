@@ -184,6 +184,26 @@ class CompressedCache(_BaseCache):
         return self.tokens_kept
 
 
+ROWS_STEP = 256  # token rows allocated at a time, as mlx-lm's KVCache
+
+
+def write_rows(arrays: dict[str, mx.array] | None, new: dict[str, mx.array], start: int) -> dict[str, mx.array]:
+    """Write `new` (name -> [B, H, n, ...]) at token rows start .. start + n of `arrays` (same names),
+    growing every buffer ROWS_STEP rows at a time as mlx-lm's KVCache does; rows past the ones in use
+    are allocated, not held tokens. Returns the buffers (new ones where they grew)."""
+    end = start + next(iter(new.values())).shape[2]
+    if arrays is None or end > next(iter(arrays.values())).shape[2]:
+        grow = -(-(end - start) // ROWS_STEP) * ROWS_STEP
+        arrays = {
+            name: mx.concatenate([arrays[name][:, :, :start], mx.zeros((*a.shape[:2], grow, *a.shape[3:]), a.dtype)], axis=2)
+            if arrays is not None else mx.zeros((*a.shape[:2], grow, *a.shape[3:]), a.dtype)
+            for name, a in new.items()
+        }
+    for name, a in new.items():
+        arrays[name][:, :, start:end] = a
+    return arrays
+
+
 def check_budget(field: str, budget: int | float) -> None:
     """A budget is a token count (int >= 1) or a fraction of the prompt (float in (0, 1])."""
     is_count = is_int(budget) and budget >= 1

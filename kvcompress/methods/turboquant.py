@@ -16,13 +16,25 @@ quantizer (the paper's TurboQuant_mse):
 Attention runs on the codes: the query is rotated (and sketched) once, scores come from the
 codebook entries of the codes, and the value side's weighted sum is taken in the rotated space and
 rotated back once. The tokens of the current call (a prompt chunk, a decode step's token) attend to
-each other exactly, as KIVI's full-precision residual does; their codes serve every later call. This module is the plain MLX reference (no fused kernel yet); it gathers the
-codebook entries of the held codes per step, a transient, not a stored copy. `live_kv_bytes` is
-the packed codes, signs and norms held.
+each other exactly, as KIVI's full-precision residual does; their codes serve every later call.
 
-Departures: integer bit widths only (2, 3, 4 per side); the paper's and mlx-vlm's fractional widths
-(2.5, 3.5: outlier channels at one bit more) are not built. Every token is stored quantized when it
-arrives (no full-precision window beyond the current call). Norms are kept in float16.
+Fractional widths (2.5, 3.5 per side; the paper's Section 4.3 "outlier" split, built as mlx-vlm
+builds it): the channels are split into an outlier set and the rest, and each set gets its own
+independent TurboQuant (own norm, rotation, codebook and sketch over its own dimension), the
+outliers at ceil(bits) and the rest at floor(bits). The outliers are the round(frac * D) channels
+with the largest mean |x| over the layer's first call's tokens (the prompt; every head and token),
+kept for the layer's life, so the mean width is exactly `bits` (2.5 on D = 64: 32 channels at 3
+bits, 32 at 2). The paper's example for 2.5 bits splits 32 of 128 channels at 3 bits and 96 at 2:
+2.25 bits of codes (2.5 if the two parts' float16 norms are counted, 0.25 a channel); we follow
+mlx-vlm's count, where the codes alone average the named width. mlx-vlm's `bits=3.5` alone means keys 3, values 4 (no
+split); here `bits=3.5` splits both sides, and key_bits / value_bits set each side.
+
+This module is the plain MLX reference (no fused kernel yet); it gathers the codebook entries of the
+held codes per step, a transient, not a stored copy. `live_kv_bytes` is the packed codes, signs and
+norms held (and a fractional width's channel indices).
+
+Departures: every token is stored quantized when it arrives (no full-precision window beyond the
+current call). Norms are kept in float16.
 """
 
 from __future__ import annotations
@@ -35,34 +47,33 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 import numpy as np
 
-from ..attention import install
-from ..errors import ConfigError, check
-from .base import CompressedCache, Method, PerSideBits, array_bytes
+from ..attention import install, masked_softmax
+from ..errors import check
+from .base import CompressedCache, Method, PerSideBits, array_bytes, write_rows
 
-BITS = (2, 3, 4)
-ROWS_STEP = 256  # token rows allocated at a time, as mlx-lm's KVCache
+BITS = (2, 2.5, 3, 3.5, 4)
 
 
 @dataclass(frozen=True)
 class TurboQuant(PerSideBits, Method):
     """TurboQuant: rotated Lloyd-Max codes per coordinate; keys add a 1-bit QJL residual.
 
-    bits: bits per coordinate for keys and values (2, 3, 4); key_bits / value_bits override it per
-    side. Keys spend one of their bits on the QJL sign sketch (the paper's TurboQuant_prod); with
+    bits: bits per coordinate for keys and values (2, 2.5, 3, 3.5, 4; a fractional width stores its
+    outlier channels at one bit more); key_bits / value_bits override it per side. Keys spend one of their bits on the QJL sign sketch (the paper's TurboQuant_prod); with
     qjl=False they spend all on codes (TurboQuant_mse: lower error, biased inner products).
     seed: the rotations and the sketch.
     """
 
     name = "turboquant"
     stores_quantized = True  # an eviction method's `quantize` may name it (methods/composed.py)
-    bits: int = 4
-    key_bits: int | None = None
-    value_bits: int | None = None
+    bits: float = 4
+    key_bits: float | None = None
+    value_bits: float | None = None
     qjl: bool = True
     seed: int = 0
 
     def __post_init__(self):
-        allowed = "one of " + ", ".join(map(str, BITS)) + " (fractional widths are not built)"
+        allowed = "one of " + ", ".join(map(str, BITS))
         check(self.bits in BITS, "turboquant.bits", allowed, self.bits)
         check(self.key_bits is None or self.key_bits in BITS, "turboquant.key_bits", allowed + " or None", self.key_bits)
         check(self.value_bits is None or self.value_bits in BITS, "turboquant.value_bits", allowed + " or None",
@@ -75,9 +86,6 @@ class TurboQuant(PerSideBits, Method):
         return super().make_cache(model)
 
     def layer_cache(self, layer, i, n, layout):
-        if layer.head_dim % 32 or layer.value_dim % 32:
-            raise ConfigError(f"turboquant: key and value dims must be multiples of 32 (codes are packed in 32-bit "
-                              f"words); {layout.model_class} has {layer.head_dim} and {layer.value_dim}")
         return self.new_cache(i)
 
     def new_cache(self, i: int) -> "TurboQuantCache":
@@ -127,17 +135,22 @@ def sketch_matrix(heads: int, dim: int, seed: int) -> mx.array:
 
 
 def pack(codes: mx.array, bits: int) -> mx.array:
-    """codes [..., D] (ints < 2^bits) -> [..., D * bits / 32] uint32, a little-endian bit stream."""
+    """codes [..., D] (ints < 2^bits) -> [..., ceil(D * bits / 32)] uint32, a little-endian bit
+    stream (the last word zero-padded where D * bits is not a multiple of 32)."""
     shifts = mx.arange(bits, dtype=mx.uint32)
-    stream = (codes.astype(mx.uint32)[..., None] >> shifts) & 1  # [..., D, bits]
-    stream = stream.reshape(*codes.shape[:-1], -1, 32)  # [..., W, 32]
+    *lead, dim = codes.shape
+    stream = ((codes.astype(mx.uint32)[..., None] >> shifts) & 1).reshape(*lead, dim * bits)  # [..., D*bits]
+    pad = -dim * bits % 32
+    if pad:
+        stream = mx.concatenate([stream, mx.zeros((*lead, pad), mx.uint32)], axis=-1)
+    stream = stream.reshape(*lead, (dim * bits + pad) // 32, 32)  # [..., W, 32]
     return (stream << mx.arange(32, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
 
 
 def unpack(words: mx.array, bits: int, dim: int) -> mx.array:
     """The inverse of `pack`: [..., W] uint32 -> codes [..., dim] uint32."""
-    stream = (words[..., None] >> mx.arange(32, dtype=mx.uint32)) & 1  # [..., W, 32]
-    stream = stream.reshape(*words.shape[:-1], dim, bits)
+    stream = ((words[..., None] >> mx.arange(32, dtype=mx.uint32)) & 1).reshape(*words.shape[:-1], words.shape[-1] * 32)
+    stream = stream[..., : dim * bits].reshape(*words.shape[:-1], dim, bits)
     return (stream << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
 
 
@@ -147,16 +160,135 @@ def nearest(u: mx.array, centroids: mx.array) -> mx.array:
     return (u[..., None] > edges).sum(axis=-1).astype(mx.uint32)
 
 
+class Codec:
+    """One TurboQuant instance: the codes of `dim`-dim vectors (a side, or one channel subset of it,
+    for the fractional widths) at `bits` bits a coordinate, per KV head.
+
+    Stored per token (names of the arrays `quantize` returns): "codes" [.., dim*b/32] uint32 (b =
+    bits - 1 with the QJL residual, else bits), "norms" f16; with the QJL residual "signs"
+    [.., dim/32] uint32 and "res_norms" f16 (32-bit words padded where dim*b is not a multiple of 32)."""
+
+    def __init__(self, heads: int, dim: int, bits: int, seed: int, qjl: bool):
+        self.dim, self.bits, self.qjl = dim, bits, qjl
+        self.rotation = random_rotation(heads, dim, seed)  # [H, dim, dim]
+        self.sketch = sketch_matrix(heads, dim, seed) if qjl else None  # [H, dim, dim]
+        self.code_bits = bits - 1 if qjl else bits
+        self.codebook = mx.array(codebook(dim, self.code_bits).astype(np.float32))
+
+    def quantize(self, x: mx.array) -> dict[str, mx.array]:
+        """x [B, H, S, dim] -> the stored arrays of S tokens."""
+        x = x.astype(mx.float32)
+        norm = mx.sqrt((x * x).sum(-1, keepdims=True))
+        u = (x / mx.maximum(norm, 1e-30)) @ self.rotation.swapaxes(-1, -2)[None]  # Pi x / ||x||  [B, H, S, dim]
+        codes = nearest(u, self.codebook)
+        stored = {"codes": pack(codes, self.code_bits), "norms": norm[..., 0].astype(mx.float16)}
+        if self.qjl:
+            r = u - self.codebook[codes]
+            signs = ((r @ self.sketch.swapaxes(-1, -2)[None]) >= 0).astype(mx.uint32)  # sign(S r) as bits
+            stored.update(signs=pack(signs, 1), res_norms=mx.sqrt((r * r).sum(-1)).astype(mx.float16))
+        return stored
+
+    def names(self) -> tuple[str, ...]:
+        return ("codes", "norms") + (("res_norms", "signs") if self.qjl else ())
+
+    def scores(self, q: mx.array, a: dict[str, mx.array]) -> mx.array:
+        """<q, x> for queries q [B, H, M, dim] and the T tokens held in `a`: [B, H, M, T]."""
+        q_rot = q @ self.rotation.swapaxes(-1, -2)[None]  # Pi q
+        scores = q_rot @ self.codebook[unpack(a["codes"], self.code_bits, self.dim)].swapaxes(-1, -2)
+        if self.qjl:
+            q_sketch = q_rot @ self.sketch.swapaxes(-1, -2)[None]  # S Pi q
+            signs = unpack(a["signs"], 1, self.dim).astype(mx.float32) * 2 - 1  # [B, H, T, dim]
+            qjl = math.sqrt(math.pi / 2) / self.dim * a["res_norms"].astype(mx.float32)[:, :, None]  # [B, H, 1, T]
+            scores = scores + qjl * (q_sketch @ signs.swapaxes(-1, -2))
+        return scores * a["norms"].astype(mx.float32)[:, :, None]
+
+    def weighted_sum(self, weights: mx.array, a: dict[str, mx.array]) -> mx.array:
+        """sum_t weights[.., t] x_t for weights [B, H, M, T]: [B, H, M, dim], summed in the rotated
+        space and rotated back once."""
+        unit = self.codebook[unpack(a["codes"], self.code_bits, self.dim)]  # [B, H, T, dim] rotated unit vectors
+        return ((weights * a["norms"].astype(mx.float32)[:, :, None]) @ unit) @ self.rotation[None]
+
+    def dequantize(self, a: dict[str, mx.array]) -> mx.array:
+        """[B, H, T, dim] as `scores` sees them (with the QJL term's dequantization
+        sqrt(pi/2)/dim ||r|| S^T sign(S r), whose expectation is the residual)."""
+        u = self.codebook[unpack(a["codes"], self.code_bits, self.dim)]
+        if self.qjl:
+            signs = unpack(a["signs"], 1, self.dim).astype(mx.float32) * 2 - 1
+            u = u + math.sqrt(math.pi / 2) / self.dim * a["res_norms"].astype(mx.float32)[..., None] * (signs @ self.sketch[None])
+        return (u @ self.rotation[None]) * a["norms"].astype(mx.float32)[..., None]
+
+
+def outlier_channels(x: mx.array, bits: float) -> mx.array:
+    """The channels a fractional width stores at one bit more: the round((bits - floor(bits)) * D)
+    channels of x [B, H, S, D] with the largest mean |x| over every token and head (as mlx-vlm), in
+    ascending order, int32."""
+    D = x.shape[-1]
+    n_high = min(D - 1, max(1, round((bits - math.floor(bits)) * D)))
+    magnitude = np.asarray(mx.abs(x.astype(mx.float32)).mean(axis=(0, 1, 2)))
+    return mx.array(np.sort(np.argsort(magnitude, kind="stable")[-n_high:]).astype(np.int32))
+
+
+class Side:
+    """The keys or the values of a layer: one Codec over every channel (an integer width), or, for a
+    fractional width, two independent Codecs (own rotation, norm, codebook and sketch): the outlier
+    channels at ceil(bits), the rest at floor(bits). Array names carry the part's prefix."""
+
+    def __init__(self, prefix: str, heads: int, dim: int, bits: float, seed: int, qjl: bool,
+                 high: mx.array | None = None):
+        self.high = high  # outlier channel indices [n_high] int32, or None for an integer width
+        if high is None:
+            self.parts = [(prefix, None, Codec(heads, dim, int(bits), seed, qjl))]
+            return
+        low = mx.array(np.setdiff1d(np.arange(dim), np.asarray(high)).astype(np.int32))
+        self.parts = [(prefix, low, Codec(heads, low.size, math.floor(bits), seed, qjl)),
+                      (prefix + "h", high, Codec(heads, high.size, math.ceil(bits), seed + 97, qjl))]
+        self.restore = mx.array(np.argsort(np.concatenate([np.asarray(low), np.asarray(high)])).astype(np.int32))
+
+    def names(self) -> list[str]:
+        return [f"{prefix}_{name}" for prefix, _, codec in self.parts for name in codec.names()]
+
+    def _each(self, x: mx.array | None, arrays: dict[str, mx.array], rows: int):
+        for prefix, channels, codec in self.parts:
+            own = None if x is None else (x if channels is None else mx.take(x, channels, axis=-1))
+            yield own, {name: arrays[f"{prefix}_{name}"][:, :, :rows] for name in codec.names()}, codec
+
+    def quantize(self, x: mx.array) -> dict[str, mx.array]:
+        """x [B, H, S, D] -> every part's stored arrays, by name."""
+        out = {}
+        for prefix, channels, codec in self.parts:
+            own = x if channels is None else mx.take(x, channels, axis=-1)
+            out.update({f"{prefix}_{name}": a for name, a in codec.quantize(own).items()})
+        return out
+
+    def scores(self, q: mx.array, arrays: dict[str, mx.array], rows: int) -> mx.array:
+        """q [B, H, M, D] against the first `rows` tokens: [B, H, M, rows] (the parts' inner products add)."""
+        return sum(codec.scores(own, a) for own, a, codec in self._each(q, arrays, rows))
+
+    def _merge(self, pieces: list[mx.array]) -> mx.array:
+        # the parts' channels back in the model's order
+        return pieces[0] if self.high is None else mx.take(mx.concatenate(pieces, axis=-1), self.restore, axis=-1)
+
+    def weighted_sum(self, weights: mx.array, arrays: dict[str, mx.array], rows: int) -> mx.array:
+        return self._merge([codec.weighted_sum(weights, a) for _, a, codec in self._each(None, arrays, rows)])
+
+    def dequantize(self, arrays: dict[str, mx.array], rows: int) -> mx.array:
+        return self._merge([codec.dequantize(a) for _, a, codec in self._each(None, arrays, rows)])
+
+
+def fractional(bits: float) -> bool:
+    return bits != math.floor(bits)
+
+
 class TurboQuantCache(CompressedCache):
     """One layer's TurboQuant storage (see the module docstring); tokens in order, all quantized.
 
-    keys:   codes [B, H, cap, D*(kb-1)/32] uint32, norms [B, H, cap] f16, signs [B, H, cap, D/32]
-            uint32, residual norms [B, H, cap] f16
-    values: codes [B, H, cap, D*vb/32] uint32, norms [B, H, cap] f16
-    The first `offset` rows are in use (rows are allocated ROWS_STEP at a time).
+    Per part (Codec.quantize): keys "k_codes" [B, H, cap, D*(kb-1)/32] uint32, "k_norms" [B, H, cap]
+    f16, "k_signs" [B, H, cap, D/32] uint32, "k_res_norms" [B, H, cap] f16; values "v_codes"
+    [B, H, cap, D*vb/32], "v_norms"; a fractional width's outlier part the same under "kh_" / "vh_"
+    (and its channels, chosen from the first call's tokens). The first `offset` rows are in use.
     """
 
-    def __init__(self, key_bits: int = 4, value_bits: int = 4, seed: int = 0, qjl: bool = True):
+    def __init__(self, key_bits: float = 4, value_bits: float = 4, seed: int = 0, qjl: bool = True):
         self.key_bits, self.value_bits, self.seed, self.qjl = key_bits, value_bits, seed, qjl
         self.arrays = None  # dict name -> buffer
         self.offset = 0
@@ -173,60 +305,27 @@ class TurboQuantCache(CompressedCache):
     def dtype(self, value: mx.Dtype) -> None:
         self._dtype_name = str(value).rsplit(".", 1)[-1]
 
-    # -- quantization ---------------------------------------------------------------------------
-
-    def _setup(self, H: int, Dk: int, Dv: int):
+    def _setup(self, H: int, Dk: int, Dv: int, k_high: mx.array | None, v_high: mx.array | None):
         self.dims = (H, Dk, Dv)
         self.dtype = mx.float16  # what attention returns when the first keys' dtype is not known (a load)
-        self.rot_k = random_rotation(H, Dk, self.seed)
-        self.rot_v = random_rotation(H, Dv, self.seed + 7)
-        self.sketch = sketch_matrix(H, Dk, self.seed)
-        self.code_bits = self.key_bits - 1 if self.qjl else self.key_bits  # keys' bits a coordinate
-        self.cb_k = mx.array(codebook(Dk, self.code_bits).astype(np.float32))
-        self.cb_v = mx.array(codebook(Dv, self.value_bits).astype(np.float32))
-
-    def quantize(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
-        """keys [B, H, S, Dk], values [B, H, S, Dv] -> the stored arrays of S tokens."""
-        k = keys.astype(mx.float32)
-        k_norm = mx.sqrt((k * k).sum(-1, keepdims=True))
-        u = (k / mx.maximum(k_norm, 1e-30)) @ self.rot_k.swapaxes(-1, -2)[None]  # Pi k / ||k||  [B, H, S, Dk]
-        k_codes = nearest(u, self.cb_k)
-        v = values.astype(mx.float32)
-        v_norm = mx.sqrt((v * v).sum(-1, keepdims=True))
-        v_codes = nearest((v / mx.maximum(v_norm, 1e-30)) @ self.rot_v.swapaxes(-1, -2)[None], self.cb_v)
-        stored = {
-            "k_codes": pack(k_codes, self.code_bits), "k_norms": k_norm[..., 0].astype(mx.float16),
-            "v_codes": pack(v_codes, self.value_bits), "v_norms": v_norm[..., 0].astype(mx.float16),
-        }
-        if self.qjl:
-            r = u - self.cb_k[k_codes]
-            signs = ((r @ self.sketch.swapaxes(-1, -2)[None]) >= 0).astype(mx.uint32)  # sign(S r) as bits
-            stored.update(k_signs=pack(signs, 1), k_res_norms=mx.sqrt((r * r).sum(-1)).astype(mx.float16))
-        return stored
+        self.key_side = Side("k", H, Dk, self.key_bits, self.seed, self.qjl, k_high)
+        self.value_side = Side("v", H, Dv, self.value_bits, self.seed + 7, False, v_high)
 
     # -- mlx-lm protocol ------------------------------------------------------------------------
 
     def update_and_fetch(self, keys, values):
         # keys [B, H, S, Dk], values [B, H, S, Dv] post-RoPE
-        if self.dims is None:
-            self._setup(keys.shape[1], keys.shape[3], values.shape[3])
+        if self.dims is None:  # a fractional width picks its outlier channels from the first tokens
+            self._setup(keys.shape[1], keys.shape[3], values.shape[3],
+                        outlier_channels(keys, self.key_bits) if fractional(self.key_bits) else None,
+                        outlier_channels(values, self.value_bits) if fractional(self.value_bits) else None)
         # update_and_fetch hands the model this cache as its keys and values; a model that reads
         # their dtype (Phi-2 casts its attention output to it) gets the activations'
         self.dtype = values.dtype
-        new = self.quantize(keys, values)
-        start, end = self.offset, self.offset + keys.shape[2]
+        new = {**self.key_side.quantize(keys), **self.value_side.quantize(values)}
         self._fresh = (keys, values)  # this call's own tokens, which its queries see exactly
-        if self.arrays is None or end > self.arrays["k_norms"].shape[2]:
-            grow = -(-(end - start) // ROWS_STEP) * ROWS_STEP
-            self.arrays = {
-                name: mx.concatenate([self.arrays[name][:, :, :start], mx.zeros((*a.shape[:2], grow, *a.shape[3:]), a.dtype)],
-                                     axis=2) if self.arrays is not None
-                else mx.zeros((*a.shape[:2], grow, *a.shape[3:]), a.dtype)
-                for name, a in new.items()
-            }
-        for name, a in new.items():
-            self.arrays[name][:, :, start:end] = a
-        self.offset = end
+        self.arrays = write_rows(self.arrays, new, self.offset)
+        self.offset += keys.shape[2]
         return self, self  # attention reads the codes from the cache itself
 
     def _used(self) -> dict[str, mx.array]:
@@ -243,49 +342,19 @@ class TurboQuantCache(CompressedCache):
         fresh_k, fresh_v = self._fresh if self._fresh is not None else (None, None)
         self._fresh = None
         S = 0 if fresh_k is None else fresh_k.shape[2]
-        a = {name: x[:, :, : T - S] for name, x in self.arrays.items()}
         q = queries.astype(mx.float32).reshape(B, H, G * L, Dk)
-        q_rot = q @ self.rot_k.swapaxes(-1, -2)[None]  # Pi q  [B, H, G*L, Dk]
-        centroids = self.cb_k[unpack(a["k_codes"], self.code_bits, Dk)]  # [B, H, T - S, Dk]
-        scores = q_rot @ centroids.swapaxes(-1, -2)
-        if self.qjl:
-            q_sketch = q_rot @ self.sketch.swapaxes(-1, -2)[None]  # S Pi q
-            signs = unpack(a["k_signs"], 1, Dk).astype(mx.float32) * 2 - 1  # [B, H, T - S, Dk]
-            qjl = math.sqrt(math.pi / 2) / Dk * a["k_res_norms"].astype(mx.float32)[:, :, None]  # [B, H, 1, T - S]
-            scores = scores + qjl * (q_sketch @ signs.swapaxes(-1, -2))
-        scores = scores * a["k_norms"].astype(mx.float32)[:, :, None]  # [B, H, G*L, T - S]
+        scores = self.key_side.scores(q, self.arrays, T - S)  # [B, H, G*L, T - S]
         if S:
             scores = mx.concatenate([scores, q @ fresh_k.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
-        scores = (scores * scale).reshape(B, n_q, L, T)
-        if isinstance(mask, str):
-            mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
-        if mask is not None:
-            scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-        if sinks is not None:  # one extra logit per query head in the softmax, to no value
-            sink = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None, None], (B, n_q, L, 1))
-            probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :-1]
-        else:
-            probs = mx.softmax(scores, axis=-1, precise=True)
-        probs = probs.reshape(B, H, G * L, T)
-        weights = probs[..., : T - S] * a["v_norms"].astype(mx.float32)[:, :, None]
-        v_rot = self.cb_v[unpack(a["v_codes"], self.value_bits, Dv)]  # [B, H, T - S, Dv] rotated unit values
-        out = (weights @ v_rot) @ self.rot_v[None]  # summed in the rotated space, then Pi^T once
+        probs = masked_softmax((scores * scale).reshape(B, n_q, L, T), mask, sinks).reshape(B, H, G * L, T)
+        out = self.value_side.weighted_sum(probs[..., : T - S], self.arrays, T - S)
         if S:
             out = out + probs[..., T - S :] @ fresh_v.astype(mx.float32)
         return out.reshape(B, n_q, L, Dv).astype(queries.dtype)
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
-        """Keys and values [B, H, T, D] as attention sees them (keys with the QJL term's expectation:
-        its dequantization sqrt(pi/2)/D ||r|| S^T sign(S r))."""
-        H, Dk, Dv = self.dims
-        a = self._used()
-        u = self.cb_k[unpack(a["k_codes"], self.code_bits, Dk)]
-        if self.qjl:
-            signs = unpack(a["k_signs"], 1, Dk).astype(mx.float32) * 2 - 1
-            u = u + math.sqrt(math.pi / 2) / Dk * a["k_res_norms"].astype(mx.float32)[..., None] * (signs @ self.sketch[None])
-        keys = (u @ self.rot_k[None]) * a["k_norms"].astype(mx.float32)[..., None]
-        values = (self.cb_v[unpack(a["v_codes"], self.value_bits, Dv)] @ self.rot_v[None]) * a["v_norms"].astype(mx.float32)[..., None]
-        return keys, values
+        """Keys and values [B, H, T, D] as attention sees them (keys with the QJL term's expectation)."""
+        return self.key_side.dequantize(self.arrays, self.offset), self.value_side.dequantize(self.arrays, self.offset)
 
     def make_mask(self, N, return_array=False, window_size=None):
         return mlx_cache.create_attention_mask(N, self.offset, return_array, window_size)
@@ -294,30 +363,40 @@ class TurboQuantCache(CompressedCache):
     def tokens_kept(self) -> int:
         return self.offset
 
+    def _channels(self) -> list[mx.array]:
+        return [side.high for side in (self.key_side, self.value_side) if side.high is not None]
+
     @property
     def live_kv_bytes(self) -> int:
-        # the held rows of every stored array (the rows allocated ahead are not held tokens)
-        return 0 if self.arrays is None else array_bytes(*self._used().values())
+        # the held rows of every stored array (the rows allocated ahead are not held tokens), and the
+        # outlier channels' indices of a fractional width
+        return 0 if self.arrays is None else array_bytes(*self._used().values(), *self._channels())
 
     def empty(self):
         return self.arrays is None
 
-    # mlx-lm 0.32's loader rebuilds a cache from `state` alone (`from_state`): the arrays, then one
-    # string with the bit widths, the seed and the dims (the rotations and the sketch are redrawn)
+    # mlx-lm 0.32's loader rebuilds a cache from `state` alone (`from_state`): the arrays, the outlier
+    # channels of fractional widths (keys', then values'), then one string with the bit widths, the
+    # seed and the dims (the rotations and the sketches are redrawn)
     @property
     def state(self):
         a = self._used()
         H, Dk, Dv = self.dims
-        return [*(a[name] for name in sorted(a)), f"{self.key_bits},{self.value_bits},{self.seed},{int(self.qjl)},{H},{Dk},{Dv}"]
+        meta = f"{self.key_bits:g},{self.value_bits:g},{self.seed},{int(self.qjl)},{H},{Dk},{Dv}"
+        return [*(a[name] for name in sorted(a)), *self._channels(), meta]
 
     @state.setter
     def state(self, v):
         *arrays, meta = v
-        self.key_bits, self.value_bits, self.seed, qjl, H, Dk, Dv = map(int, meta.split(","))
-        self.qjl = bool(qjl)
-        self._setup(H, Dk, Dv)
-        names = ("k_codes", "k_norms", "v_codes", "v_norms") + (("k_res_norms", "k_signs") if self.qjl else ())
-        self.arrays = dict(zip(sorted(names), arrays))
+        kb, vb, seed, qjl, H, Dk, Dv = meta.split(",")
+        self.key_bits, self.value_bits = (int(float(b)) if not fractional(float(b)) else float(b) for b in (kb, vb))
+        self.seed, self.qjl = int(seed), bool(int(qjl))
+        n_channels = fractional(self.key_bits) + fractional(self.value_bits)
+        channels = iter(arrays[len(arrays) - n_channels:])
+        self._setup(int(H), int(Dk), int(Dv), next(channels) if fractional(self.key_bits) else None,
+                    next(channels) if fractional(self.value_bits) else None)
+        names = sorted(self.key_side.names() + self.value_side.names())
+        self.arrays = dict(zip(names, arrays[: len(names)]))
         self.offset = self.arrays["k_norms"].shape[2]
         self._fresh = None
 

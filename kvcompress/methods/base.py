@@ -155,6 +155,17 @@ class PerSideBits:
 class CompressedCache(_BaseCache):
     """Shared behaviour of kvcompress caches (see module docstring)."""
 
+    # The activations' dtype, for caches that record it (a model may read the dtype of the keys it got
+    # back: Phi-2 casts its attention output to it). Kept as the dtype's name: an mx.Dtype does not
+    # pickle, and the runner deep-copies a compressed context for each of its uses.
+    @property
+    def dtype(self) -> mx.Dtype:
+        return getattr(mx, self._dtype_name)
+
+    @dtype.setter
+    def dtype(self, value: mx.Dtype) -> None:
+        self._dtype_name = str(value).rsplit(".", 1)[-1]
+
     def from_prefill(self, keys: mx.array, values: mx.array, queries: mx.array | None) -> None:
         # keys, values: [B, H_kv, T, D] post-RoPE; queries: [B, H_q, T, D] or None
         self.update_and_fetch(keys, values)

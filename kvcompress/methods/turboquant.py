@@ -295,16 +295,6 @@ class TurboQuantCache(CompressedCache):
         self.dims = None  # (H, D_k, D_v)
         self._fresh = None  # (keys, values) of the tokens of the current call, until its attention
 
-    # an mx.Dtype cannot be pickled, so copy.deepcopy (the runner copies a compressed context for each
-    # of its uses) could not copy a cache holding one: the cache keeps the dtype's name
-    @property
-    def dtype(self) -> mx.Dtype:
-        return getattr(mx, self._dtype_name)
-
-    @dtype.setter
-    def dtype(self, value: mx.Dtype) -> None:
-        self._dtype_name = str(value).rsplit(".", 1)[-1]
-
     def _setup(self, H: int, Dk: int, Dv: int, k_high: mx.array | None, v_high: mx.array | None):
         self.dims = (H, Dk, Dv)
         self.dtype = mx.float16  # what attention returns when the first keys' dtype is not known (a load)

@@ -10,6 +10,8 @@ from ..errors import ConfigError, build, check
 from .base import CompressedCache, Method
 from .adakv import AdaKV
 from .criticalkv import CriticalKV
+from .decoding import Decoding
+from .duoattention import DuoAttention
 from .expected_attention import ExpectedAttention
 from .full import Full
 from .h2o import H2O
@@ -28,7 +30,8 @@ from .turboquant import TurboQuant
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
     for cls in (Full, MlxQuant, Kivi, TurboQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm,
-                Random, KeyDiff, ExpectedAttention, CriticalKV)
+                Random, KeyDiff, ExpectedAttention, CriticalKV, DuoAttention,
+                Decoding)
 }
 
 

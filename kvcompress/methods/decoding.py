@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
 from ..errors import ConfigError, check, is_int
 from .delegating import Delegating
@@ -116,3 +117,7 @@ class DecodingCache(EvictionCache):
         self._select(kept_before + self.config.target_size, step)
         self._scores = None  # appended tokens are scored at the next compression
         mx.eval(self.keys, self.values, self.positions)
+
+
+# mlx-lm's load_prompt_cache looks cache classes up by name in mlx_lm.models.cache's globals.
+setattr(mlx_cache, "DecodingCache", DecodingCache)

@@ -214,6 +214,7 @@ class DuoAttentionCache(CompressedCache):
         self.retrieval: KVCache | None = None
         self.streaming: EvictionCache | None = None
         self.streams: np.ndarray | None = None  # bool [H_kv] once the prompt is complete
+        self._split = None  # see _indices
         self.offset = 0
         self.rope = rope
 
@@ -232,15 +233,24 @@ class DuoAttentionCache(CompressedCache):
     def _heads(self, streams: bool) -> np.ndarray:
         return np.nonzero(self.streams == streams)[0]
 
-    def _query_heads(self, streams: bool) -> mx.array:
-        G = self.n_heads // self.n_kv_heads
-        return mx.array((self._heads(streams)[:, None] * G + np.arange(G)).reshape(-1), mx.int32)
+    def _indices(self):
+        """(KV-head index, query-head index) of the retrieval and the streaming group, and the
+        permutation from the groups' concatenated query heads back to the model's order; built once
+        after the split (a decode step then builds no index arrays)."""
+        if self._split is None:
+            G = self.n_heads // self.n_kv_heads
+            groups = [(self._heads(streams), (self._heads(streams)[:, None] * G + np.arange(G)).reshape(-1))
+                      for streams in (False, True)]
+            back = np.argsort(np.concatenate([q for kv, q in groups if kv.size]))
+            self._split = ([(mx.array(kv, mx.int32), mx.array(q, mx.int32)) for kv, q in groups],
+                           mx.array(back, mx.int32))
+        return self._split
 
     def _complete_prompt(self, keys, values):
         """Split the prompt's keys/values [B, H_kv, T, D] into the two head groups."""
         T = keys.shape[2]
         self.streams = self.config.streaming_heads(self.scores, T)[self.layer]
-        self.prompt = None
+        self.prompt, self._split = None, None
         retrieval, streaming = self._heads(False), self._heads(True)
         if retrieval.size:
             self.retrieval = KVCache()
@@ -261,9 +271,10 @@ class DuoAttentionCache(CompressedCache):
         if self.prompt is not None:
             return self.prompt.update_and_fetch(keys, values)
         self._fetched = [None, None]
+        groups, _ = self._indices()
         for i, part in enumerate((self.retrieval, self.streaming)):
             if part is not None:
-                index = mx.array(self._heads(bool(i)), mx.int32)
+                index = groups[i][0]
                 self._fetched[i] = part.update_and_fetch(keys[:, index], values[:, index])
         return keys, values  # attention() reads the parts' own
 
@@ -276,23 +287,22 @@ class DuoAttentionCache(CompressedCache):
             if S == 1:
                 self._complete_prompt(*self.prompt.keys_and_values())
             return out
-        outs, order = [], []
+        outs = []
+        groups, back = self._indices()
         for i, part in enumerate((self.retrieval, self.streaming)):
             if part is None:
                 continue
-            index = self._query_heads(bool(i))
+            index = groups[i][1]
             q, s = queries[:, index], None if sinks is None else sinks[index]
             k, v = self._fetched[i]
             if i == 0:
                 outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=causal, sinks=s))
             else:
                 outs.append(part.attention(q, k, v, scale, mask, sinks=s))
-            order.append(index)
         self._fetched = None
         if len(outs) == 1:
             return outs[0]
-        back = mx.argsort(mx.concatenate(order))  # concatenated head order -> the model's
-        return mx.concatenate(outs, axis=1)[:, back]
+        return mx.concatenate(outs, axis=1)[:, back]  # the groups' query heads back in the model's order
 
     def from_prefill(self, keys, values, queries=None):
         """Split a finished full-attention prefill (keys, values [B, H_kv, T, D])."""
@@ -414,6 +424,7 @@ class DuoAttentionCache(CompressedCache):
         self.layer, self.n_heads, self.n_kv_heads = meta["layer"], meta["n_heads"], meta["n_kv_heads"]
         self.head_dim, self.scale, self.offset = meta["head_dim"], meta["scale"], meta["offset"]
         self.streams = None if meta["streams"] is None else np.array(meta["streams"], bool)
+        self._split = None
 
 
 # mlx-lm's load_prompt_cache looks cache classes up by name in mlx_lm.models.cache's globals.

@@ -16,6 +16,8 @@ heads stream: the lowest-scoring ones of one ranking over every KV head of every
   last query, averaged over the KV head's query group and the samples.
 
 Defaults as DuoAttention's released patterns (and kvpress's on-the-fly mode): 128 sinks, 256 recent.
+A streaming head is the eviction base's StreamingLLM cache: between steps it holds the sinks and the
+newest `recent` tokens, and a decode step's query sees those and itself.
 
 Where we depart, and why:
 - The share of streaming heads comes from `budget` (the knob every sweep varies), not from

@@ -106,6 +106,10 @@ def test_drop_in_decoding_holds_at_most_target_plus_interval_generated_tokens(ti
     counts = [h[0] for h in held]
     assert counts[:target] == list(range(1, target + 1)) and max(counts) == target + interval - 1
     assert all(counts[step] == target for step in range(target, 70) if (step + 1) % interval == 0)
+    # resident: the held tokens' keys, values and positions, nothing more (no scores between cuts)
+    for c in caches:
+        assert c.scores is None and c.live_kv_bytes == (c.keys.nbytes + c.values.nbytes + c.positions.nbytes)
+        assert c.keys.shape[1] == c.tokens_kept == 40 + counts[-1]
 
 
 def test_bad_settings_are_refused_before_any_work():

@@ -194,3 +194,24 @@ def test_the_runner_on_the_embedded_model(embedded):
     assert abs(ratio - 0.25) <= 0.05 * 0.25, ratio
     assert duo.run["config_label"] == "duoattention budget=0.25 n_sink=4 recent=12"
     assert duo.evidence and all(0.0 <= row["kept_mean"] <= 1.0 for row in duo.evidence)
+
+
+def test_a_cache_saved_before_its_prompt_is_complete_loads_and_continues_the_same(tiny_llama, tmp_path):
+    import kvcompress
+    from mlx_lm.models.cache import save_prompt_cache
+
+    prompt = mx.random.randint(0, 128, (1, 40), key=mx.random.key(6))
+    caches = make_cache(tiny_llama, "duoattention", budget=0.5, n_sink=2, recent=6)
+    tiny_llama(prompt[:, :-1], cache=caches)  # the prompt's last token not yet fed: no split yet
+    mx.eval([c.state for c in caches])
+    assert all(c.streams is None for c in caches)
+    path = str(tmp_path / "duo.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = kvcompress.load_prompt_cache(path, tiny_llama)
+    a, b = tiny_llama(prompt[:, -1:], cache=caches), tiny_llama(prompt[:, -1:], cache=loaded)
+    for _ in range(4):
+        assert mx.array_equal(a, b).item()
+        token = mx.argmax(a[:, -1:], axis=-1)
+        a, b = tiny_llama(token, cache=caches), tiny_llama(token, cache=loaded)
+    assert [c.streams.tolist() for c in loaded] == [c.streams.tolist() for c in caches]
+    assert any(c.streams.any() for c in caches)

@@ -80,7 +80,8 @@ def test_generated_tokens_are_cut_to_the_target_every_interval_by_the_scorers_ra
                 for hh in range(H):
                     held = before[b * H + hh] + [p]
                     hk = np.stack([layer.K[q][b, hh] for q in held])
-                    probs.append(np.stack([softmax(hk @ layer.Q[p][b, hh * G + g] * D**-0.5) for g in range(G)]).mean(0))
+                    query = [layer.Q[p][b, hh * G + g] for g in range(G)]
+                    probs.append(np.mean([softmax(hk @ q * D**-0.5) for q in query], axis=0))
                 scores = np.mean(probs, axis=0)
             else:
                 scores = score(keys)

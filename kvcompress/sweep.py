@@ -258,6 +258,7 @@ class SweepSpec(_Strict):
                                   f"context window of {self.model}), got {length}; set `allow_beyond_window: true` "
                                   f"to run it anyway (its runs are marked)")
         configs = _method_cells(self.methods, errors)
+        errors += _budgets_fit(configs, {length for axis in self.datasets for length in axis.context_tokens})
         if errors:
             raise SweepError(errors)
         return tuple(configs)
@@ -414,6 +415,23 @@ def _method_cells(axes: list[MethodAxis], errors: list[str]) -> list[Method]:
     duplicates = {c.label() for c in configs if sum(d == c for d in configs) > 1}
     errors += [f"methods: duplicate cell {d}" for d in sorted(duplicates)]
     return configs
+
+
+def _budgets_fit(configs: list[Method], lengths: set[int]) -> list[str]:
+    """A fractional budget too small for a method's protected tokens at a grid context (down to 1/32
+    of a 1k prompt is 32 tokens: SnapKV's window alone) fails every run: say so before any. The
+    context (prompt + answer budget) bounds the prompt, so what fails here fails there."""
+    errors = []
+    for config in configs:
+        if not isinstance(getattr(config, "budget", None), float) or not hasattr(config, "resolve"):
+            continue
+        for length in sorted(lengths):
+            try:
+                config.resolve(length)
+            except ConfigError as exc:
+                errors.append(f"methods ({config.label()}) at context_tokens {length}: {exc}")
+                break
+    return errors
 
 
 def _where(loc: tuple) -> str:

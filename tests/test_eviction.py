@@ -22,7 +22,8 @@ from kvcompress.methods.pyramidkv import layer_shares
 from kvcompress.runner import derive_cache, prefill
 
 BASE = 20000.0  # an unusual RoPE base: a hard-coded 10000 anywhere would break these tests
-EVICTION = sorted(name for name, cls in REGISTRY.items() if issubclass(cls, Eviction))
+# duoattention holds two caches per layer (a full one, a StreamingLLM one): tests/test_duoattention.py
+EVICTION = sorted(name for name, cls in REGISTRY.items() if issubclass(cls, Eviction) and name != "duoattention")
 
 
 def small(name: str, budget, **params) -> Eviction:
@@ -33,6 +34,8 @@ def small(name: str, budget, **params) -> Eviction:
         "criticalkv": dict(scorer="h2o"), "expected_attention": dict(n_future_positions=16),
         # the decode-time eviction the shared tests exercise (their default compresses the prompt only)
         "knorm": dict(decoding="evict", n_sink=1), "random": dict(decoding="evict"),
+        "decoding": dict(scorer="keydiff", compression_interval=4, target_size=6),
+        "duoattention": dict(n_sink=2, recent=6),
     }
     return method_config(name, budget=budget, **{**defaults.get(name, {}), **params})
 
@@ -330,7 +333,7 @@ class RowLoop:
         return self.P, self.s
 
 
-PER_ROW = [n for n in EVICTION if n not in ("adakv", "criticalkv")]  # their own tests below
+PER_ROW = [n for n in EVICTION if n not in ("adakv", "criticalkv", "decoding")]  # their own tests (below, test_decoding.py)
 
 
 @pytest.mark.parametrize("name", PER_ROW)

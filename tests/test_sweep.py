@@ -170,3 +170,44 @@ def test_quantize_in_params_and_as_an_axis_multiplies_budget_by_quantizer():
         load_spec({**GRID, "methods": [{"name": "snapkv", "grid": {"quantize": [{"name": "kivi", "bits": 5}]}}]}).shards()
     with pytest.raises(SweepError, match=r"h2o.quantize: h2o evicts while decoding"):
         load_spec({**GRID, "methods": [{"name": "h2o", "params": {"quantize": {"name": "kivi"}}}]}).shards()
+COMPRESSIONS = {0.5, 0.25, 0.125, 0.0625}  # 2x, 4x, 8x, 16x
+
+
+@pytest.mark.parametrize("grid", ["nightly", "benchmarks/grids/quality.yaml"])
+def test_nightly_and_quality_grids_cover_2x_to_16x_for_every_eviction_method(grid):
+    from kvcompress.methods.eviction import Eviction
+
+    spec = load_spec(grid)
+    configs = spec.method_configs()
+    budgets: dict[str, set] = {}
+    for c in configs:
+        if isinstance(c, Eviction):
+            budgets.setdefault(c.name, set()).add(c.budget)
+    assert budgets and all(b == COMPRESSIONS for b in budgets.values()), budgets
+    assert "duoattention" in budgets
+    per_config = sum(s.rows for s in spec.shards()) * len(spec.protocol)
+    assert spec.estimate()["runs"] == len(configs) * per_config
+
+
+def test_budgets_down_to_a_32nd_of_the_prompt_validate_and_resolve():
+    from kvcompress.methods import REGISTRY, method_config
+    from kvcompress.methods.eviction import Eviction
+
+    spec = load_spec({**GRID, "methods": [{"name": "streaming", "grid": {"budget": [0.0625, 0.03125]}},
+                                          {"name": "knorm", "grid": {"budget": [0.03125]}}]})
+    assert [c.budget for c in spec.method_configs()] == [0.0625, 0.03125, 0.03125]
+    for name, cls in REGISTRY.items():
+        if issubclass(cls, Eviction) and name != "duoattention":  # its windows: 128 + 256 by default
+            cfg = method_config(name, budget=0.03125)
+            if not (cfg.n_sink or cfg.recent or getattr(cfg.scoring(), "recent", 0)):
+                assert cfg.resolve(4096)[0] == 128, name
+    assert method_config("duoattention", budget=0.03125).resolve(16384)[0] == 512
+
+
+def test_a_fractional_budget_below_a_methods_protected_window_is_refused_up_front():
+    bad = {**GRID, "datasets": [{"name": "passkey", "context_tokens": [1024]}],
+           "methods": [{"name": "snapkv", "grid": {"budget": [0.0625, 0.03125]}}]}
+    with pytest.raises(SweepError) as info:
+        load_spec(bad).shards()
+    assert len(info.value.errors) == 1
+    assert "snapkv budget=0.03125" in str(info.value) and "context_tokens 1024" in str(info.value)

@@ -11,6 +11,8 @@ from .base import CompressedCache, Method
 from .adakv import AdaKV
 from .composed import ComposedCache
 from .criticalkv import CriticalKV
+from .decoding import Decoding
+from .duoattention import DuoAttention
 from .expected_attention import ExpectedAttention
 from .full import Full
 from .h2o import H2O
@@ -30,7 +32,7 @@ from .turboquant import TurboQuant
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
     for cls in (Full, MlxQuant, Kivi, TurboQuant, Qjl, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm,
-                Random, KeyDiff, ExpectedAttention, CriticalKV)
+                Random, KeyDiff, ExpectedAttention, CriticalKV, DuoAttention, Decoding)
 }
 
 

@@ -269,7 +269,11 @@ class Eviction(Method):
                 f"rotate by position alone (one of {POSITIONAL_ROPES}); {layout.model_class} layer "
                 f"{layer.index}: {found}; use positions='exact'")
         # i, n: PyramidKV's layer-wise budgets run over the layers this method compresses
-        return EvictionCache(self, i, n, layer.n_kv_heads, layer.head_dim, layer.rope, layer.scale)
+        return self.cache_type()(self, i, n, layer.n_kv_heads, layer.head_dim, layer.rope, layer.scale)
+
+    def cache_type(self) -> type:
+        """The cache class (the decoding wrapper's adds compression every N steps to this one)."""
+        return EvictionCache
 
 
 def rope_rotations(rope, head_dim: int, count: int, start: int = 0) -> tuple[mx.array, mx.array]:

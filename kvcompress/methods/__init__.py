@@ -16,6 +16,7 @@ from .h2o import H2O
 from .keydiff import KeyDiff
 from .keyformer import Keyformer
 from .kivi import Kivi
+from .kvquant import KVQuant
 from .knorm import KNorm
 from .mlx_quant import MlxQuant
 from .pyramidkv import PyramidKV
@@ -27,7 +28,7 @@ from .turboquant import TurboQuant
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Full, MlxQuant, Kivi, TurboQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm,
+    for cls in (Full, MlxQuant, Kivi, TurboQuant, KVQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm,
                 Random, KeyDiff, ExpectedAttention, CriticalKV)
 }
 

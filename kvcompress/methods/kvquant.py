@@ -149,7 +149,9 @@ def kmeans_1d(x: mx.array, weight: mx.array, levels: int) -> mx.array:
 
 def nearest(x: mx.array, book: mx.array) -> mx.array:
     """Index of the nearest entry of `book` [..., K] (ascending, broadcast against x [...]) for each
-    entry of x: the number of cell edges (midpoints) below it."""
+    entry of x: the number of cell edges (midpoints) below it. Edges in float32: a float16 book's
+    midpoints rounded to float16 would move them by up to half a float16 step."""
+    book = book.astype(mx.float32)
     edges = (book[..., 1:] + book[..., :-1]) / 2
     return (x[..., None] > edges).sum(axis=-1).astype(mx.uint32)
 

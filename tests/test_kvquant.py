@@ -16,7 +16,7 @@ import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
 from kvcompress.methods import method_config
-from kvcompress.methods.kvquant import KVQuantCache
+from kvcompress.methods.kvquant import KVQuantCache, kmeans_1d
 
 B, H, D, BASE = 1, 2, 64, 10000.0
 
@@ -132,6 +132,15 @@ def test_the_models_rope_is_inverted_to_float_error(traditional, dims):
     back = cache._rotate(post, 7, -1)
     assert float(mx.abs(back - pre).max()) < 2e-5
     assert float(mx.abs(cache._rotate(back, 7, 1) - post).max()) < 2e-5
+
+
+def test_kmeans_by_prefix_sums_equals_the_plain_assign_and_average_form():
+    rng = np.random.default_rng(3)
+    groups = [np.clip(rng.standard_normal(n) * 0.5, -1, 1) for n in (1, 5, 100, 3000)] + [rng.random(400) ** 3]
+    for bits in (2, 3, 4):
+        for got, x in zip(kmeans_1d(groups, 2**bits), groups):
+            np.testing.assert_allclose(got, np_kmeans(x, 2**bits), atol=1e-12)
+            assert np.all(np.diff(got) >= -1e-12)  # ascending (equal where a group has fewer entries than codes)
 
 
 @pytest.mark.parametrize("key_bits, value_bits, codebook, residual",

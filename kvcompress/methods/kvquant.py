@@ -123,28 +123,32 @@ def quantile(x: mx.array, q: float) -> mx.array:
     return s[:, lo] * (1 - frac) + s[:, hi] * frac
 
 
-def kmeans_1d(x: mx.array, weight: mx.array, levels: int) -> mx.array:
-    """Centroids [G, levels] (ascending) of 1-D k-means over each row of x [G, N] with weights [G, N]
-    (0 leaves an entry out): init at the (k + 1/2) / levels quantiles of the weighted-in entries,
-    then Lloyd's iterations until nothing moves (at most KMEANS_ITERATIONS). An empty cell keeps
-    its centroid; a row with no entries gets a uniform grid on [-1, 1]."""
-    G, N = x.shape
-    inside = weight > 0
-    count = inside.sum(axis=-1)  # [G]
-    ordered = mx.sort(mx.where(inside, x, mx.inf), axis=-1)
-    at = mx.floor((mx.arange(levels) + 0.5)[None] / levels * count[:, None].astype(mx.float32)).astype(mx.int32)
-    centroids = mx.take_along_axis(ordered, mx.minimum(at, N - 1), axis=-1)
-    centroids = mx.where(count[:, None] > 0, centroids, mx.linspace(-1, 1, levels)[None])
-    rows = (mx.arange(G) * levels)[:, None]
-    for _ in range(KMEANS_ITERATIONS):
-        cell = rows + nearest(x, centroids[:, None]).astype(mx.int32)  # [G, N] flat cell ids
-        mass = mx.zeros(G * levels).at[cell.reshape(-1)].add(weight.reshape(-1))
-        moment = mx.zeros(G * levels).at[cell.reshape(-1)].add((weight * x).reshape(-1))
-        updated = mx.where(mass > 0, moment / mx.maximum(mass, 1e-30), centroids.reshape(-1)).reshape(G, levels)
-        if mx.array_equal(updated, centroids).item():
-            break
-        centroids = updated
-    return centroids
+def kmeans_1d(groups: list[np.ndarray], levels: int) -> np.ndarray:
+    """Centroids [G, levels] (ascending, float64) of 1-D k-means over each group's entries: init at the
+    (k + 1/2) / levels order statistics, then Lloyd's iterations until nothing moves (at most
+    KMEANS_ITERATIONS). An empty cell keeps its centroid; an empty group gets a uniform grid on
+    [-1, 1]. On the host, once per layer: in 1-D a cell is a run of the sorted entries, so each
+    iteration is a binary search of the edges and prefix sums (tests/test_kvquant.py holds the plain
+    assign-and-average form it is checked against)."""
+    out = np.empty((len(groups), levels))
+    for g, x in enumerate(groups):
+        x = np.sort(x.astype(np.float64))
+        if x.size == 0:
+            out[g] = np.linspace(-1, 1, levels)
+            continue
+        centroids = x[np.minimum(np.floor((np.arange(levels) + 0.5) / levels * x.size).astype(int), x.size - 1)]
+        prefix = np.concatenate([[0.0], np.cumsum(x)])
+        for _ in range(KMEANS_ITERATIONS):
+            # cell k holds edge[k-1] < x <= edge[k] (as `nearest` assigns): x[bounds[k] : bounds[k+1]]
+            bounds = np.concatenate([[0], np.searchsorted(x, (centroids[1:] + centroids[:-1]) / 2, side="right"), [x.size]])
+            count = np.diff(bounds)
+            total = prefix[bounds[1:]] - prefix[bounds[:-1]]
+            updated = np.where(count > 0, total / np.maximum(count, 1), centroids)
+            if np.array_equal(updated, centroids):
+                break
+            centroids = updated
+        out[g] = centroids
+    return out
 
 
 def nearest(x: mx.array, book: mx.array) -> mx.array:
@@ -176,12 +180,13 @@ def key_calibration(pre: mx.array, fraction: float, bits: int, per_channel: bool
 
 
 def _codebook(normal: mx.array, inside: mx.array, bits: int, per_channel: bool) -> mx.array:
-    """k-means codebook [Hb, Db, 2^bits] float16 of the normalized entries inside [-1, 1]."""
+    """k-means codebook [Hb, Db, 2^bits] float16 of the normalized entries [B, H, n, D] inside [-1, 1]."""
     B, H, n, D = normal.shape
-    groups = normal.transpose(1, 3, 0, 2).reshape(H * D, B * n) if per_channel else normal.reshape(1, -1)
-    weight = (inside.transpose(1, 3, 0, 2).reshape(H * D, B * n) if per_channel else inside.reshape(1, -1))
-    book = kmeans_1d(groups, weight.astype(mx.float32), 2**bits)
-    return book.reshape(H, D, -1).astype(mx.float16) if per_channel else book.reshape(1, 1, -1).astype(mx.float16)
+    x, keep = np.array(normal.astype(mx.float32)), np.array(inside)
+    if per_channel:  # one group per KV head and channel
+        groups = [x[:, h, :, d][keep[:, h, :, d]] for h in range(H) for d in range(D)]
+        return mx.array(kmeans_1d(groups, 2**bits).reshape(H, D, -1).astype(np.float16))
+    return mx.array(kmeans_1d([x[keep]], 2**bits).reshape(1, 1, -1).astype(np.float16))
 
 
 def value_outliers(fraction: float, dim: int) -> int:

@@ -99,7 +99,8 @@ def random_kv(T: int, seed: int = 0):
     """Pre-RoPE keys with per-channel offsets and scales and a few large entries (as real keys'
     outlier channels), values with a few large entries: float32 [B, H, T, D]."""
     rng = np.random.default_rng(seed)
-    pre = rng.standard_normal((B, H, T, D)) * np.exp(rng.standard_normal((1, H, 1, D))) + 2 * rng.standard_normal((1, H, 1, D))
+    scale, offset = np.exp(rng.standard_normal((1, H, 1, D))), 2 * rng.standard_normal((1, H, 1, D))
+    pre = rng.standard_normal((B, H, T, D)) * scale + offset
     pre += 8 * (rng.random((B, H, T, D)) < 0.003) * rng.standard_normal((B, H, T, D))
     v = rng.standard_normal((B, H, T, D)) + 6 * (rng.random((B, H, T, D)) < 0.01)
     return pre.astype(np.float32), v.astype(np.float32)
@@ -166,7 +167,8 @@ def test_calibration_and_codes_match_the_numpy_reference(key_bits, value_bits, c
     np.testing.assert_allclose(np.array(got_v)[~tie], values[~tie], atol=2e-3)
     # what attention sees: sink and residual as they came, coded keys rotated at their positions
     all_keys, all_values = cache.dequantized()
-    expected = np.concatenate([np_rope(pre[:, :, :n_sink]), np_rope(keys, n_sink), np_rope(pre[:, :, T - residual :], T - residual)], 2)
+    expected = np.concatenate([np_rope(pre[:, :, :n_sink]), np_rope(keys, n_sink),
+                               np_rope(pre[:, :, T - residual :], T - residual)], 2)
     exact = np.ones(expected.shape, bool)
     exact[:, :, coded] = ~tie.any(-1, keepdims=True)  # RoPE mixes a tied entry into its pair: leave the token out
     np.testing.assert_allclose(np.array(all_keys)[exact], expected[exact], atol=3e-3)
@@ -209,7 +211,8 @@ def test_attention_equals_the_reference_over_what_the_cache_holds(residual, n_si
     assert after_k.shape[2] == 59 and cache.offset == 59
     # tokens held before keep what they stood for, except those this call pushed out of the residual
     kept = 56 - residual
-    assert mx.array_equal(after_k[:, :, :kept], keys[:, :, :kept]) and mx.array_equal(after_v[:, :, :kept], values[:, :, :kept])
+    assert mx.array_equal(after_k[:, :, :kept], keys[:, :, :kept])
+    assert mx.array_equal(after_v[:, :, :kept], values[:, :, :kept])
     out = cache.attention(q[:, :, :3], cache, cache, 0.125, "causal")
     ref = reference_attention(q[:, :, :3], mx.concatenate([after_k[:, :, :56], k_new], axis=2),
                               mx.concatenate([after_v[:, :, :56], v_new], axis=2), 0.125, "causal")

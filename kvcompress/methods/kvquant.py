@@ -140,7 +140,8 @@ def kmeans_1d(groups: list[np.ndarray], levels: int) -> np.ndarray:
         prefix = np.concatenate([[0.0], np.cumsum(x)])
         for _ in range(KMEANS_ITERATIONS):
             # cell k holds edge[k-1] < x <= edge[k] (as `nearest` assigns): x[bounds[k] : bounds[k+1]]
-            bounds = np.concatenate([[0], np.searchsorted(x, (centroids[1:] + centroids[:-1]) / 2, side="right"), [x.size]])
+            edges = (centroids[1:] + centroids[:-1]) / 2
+            bounds = np.concatenate([[0], np.searchsorted(x, edges, side="right"), [x.size]])
             count = np.diff(bounds)
             total = prefix[bounds[1:]] - prefix[bounds[:-1]]
             updated = np.where(count > 0, total / np.maximum(count, 1), centroids)
@@ -358,6 +359,10 @@ class KVQuantCache(CompressedCache):
                 held_k = held_v = None
         self.keys, self.values = held_k, held_v
         return self, self  # attention reads the codes from the cache itself
+
+    def from_prefill(self, keys, values, queries):
+        self.update_and_fetch(keys, values)
+        self._fresh = None  # no attention follows: the prompt's exact keys and values are not held
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Keys (post-RoPE) and values [B, H, T, D] as attention sees them, in the activations' dtype."""

@@ -111,7 +111,7 @@ class KVQuant(PerSideBits, Method):
                             self.codebook, layer.rope)
 
 
-# -- the quantizer: plain functions over [B, H, n, D] arrays, float32 math --------------------------
+# -- the quantizer: plain functions over [B, H, n, D] arrays (float32; k-means on the host) --------
 
 
 def quantile(x: mx.array, q: float) -> mx.array:

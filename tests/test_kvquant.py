@@ -4,6 +4,7 @@ save/load, and the embedded model."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import mlx.core as mx
@@ -257,6 +258,19 @@ def test_config_validates_and_saves_and_loads(tmp_path):
     loaded.rope = cache.rope  # what kvcompress.load_prompt_cache(path, model) gives back
     assert mx.array_equal(loaded.attention(q, None, None, 0.125, None), cache.attention(q, None, None, 0.125, None))
     assert loaded.live_kv_bytes == cache.live_kv_bytes and loaded.offset == cache.offset
+
+
+def test_a_deep_copy_continues_as_the_original():
+    """The runner copies a compressed cache (copy.deepcopy) to answer several ways from one prompt."""
+    cache, _, _, _ = filled(residual=4)
+    twin = copy.deepcopy(cache)
+    k, v = mx.random.normal((1, 2, 1, D), key=mx.random.key(5)), mx.random.normal((1, 2, 1, D), key=mx.random.key(6))
+    q = mx.random.normal((1, 4, 1, D), key=mx.random.key(7))
+    outs = []
+    for c in (cache, twin):
+        c.update_and_fetch(k, v)
+        outs.append(c.attention(q, c, c, 0.125, None))
+    assert mx.array_equal(*outs) and twin.live_kv_bytes == cache.live_kv_bytes and twin.dtype == mx.float32
 
 
 @pytest.mark.slow

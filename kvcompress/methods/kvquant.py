@@ -249,8 +249,14 @@ class KVQuantCache(CompressedCache):
         self.sink_keys = self.sink_values = self.keys = self.values = None
         self.rows, self.calib = None, None
         self.k_out_index = self.k_out_values = None
-        self.dtype = mx.float16  # the activations' once keys arrive
+        self.dtype_name = "float16"  # the activations' once keys arrive (a name: mx.Dtype cannot be deep-copied)
         self._fresh = None  # (keys, values) of the current call's tokens, until its attention
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The activations' dtype: what attention returns, and what a model that reads the fetched
+        values' dtype (Phi-2) gets."""
+        return getattr(mx, self.dtype_name)
 
     # -- RoPE ---------------------------------------------------------------------------------------
 
@@ -339,7 +345,7 @@ class KVQuantCache(CompressedCache):
 
     def update_and_fetch(self, keys, values):
         # keys [B, H, S, Dk] post-RoPE at positions offset..offset+S-1, values [B, H, S, Dv]
-        self.dtype = values.dtype  # a model that reads the fetched values' dtype (Phi-2) gets the activations'
+        self.dtype_name = _dtype_name(values.dtype)
         self._fresh = (keys, values)  # this call's own tokens, which its queries see exactly
         S = keys.shape[2]
         sink = max(0, min(S, self.n_sink - self.offset))
@@ -436,10 +442,14 @@ class KVQuantCache(CompressedCache):
         self.calib = dict(zip(self.CALIB_NAMES, calib)) if calib[0] is not None else None
         (self.k_out_index, self.k_out_values, self.sink_keys, self.sink_values, self.keys, self.values) = arrays[10:]
         held = self.values if self.values is not None else self.sink_values
-        self.dtype = held.dtype if held is not None else mx.float16
+        self.dtype_name = _dtype_name(held.dtype) if held is not None else "float16"
         self._fresh = None
         if not hasattr(self, "rope"):  # restored by from_state: no model here
             self.rope = None
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # "mlx.core.float32" -> "float32"
 
 
 def _join(a: mx.array | None, b: mx.array) -> mx.array | None:

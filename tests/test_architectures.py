@@ -50,13 +50,22 @@ EVICTION_REFUSED = {"deepseek_v2": "values have 32 dims and its keys 48"}
 # CriticalKV reads W_o v: no module takes Qwen3-Next's attention output as it is (it is gated first)
 OUTPUT_PROJECTION_REFUSED = {"qwen3_next": "no output projection"}
 QUANTIZER_REFUSED = {"deepseek_v2": "divisor of the model's head_dim 48"}  # 48-dim keys, groups of 32
+# KVQuant quantizes keys before RoPE by rotating them back: refused where a compressed layer has no RoPE
+# the adapter can invert by position (NoPE layers, none found, a length-dependent base)
+PRE_ROPE_REFUSED = {"cohere2": "rotate by position alone", "exaone4": "rotate by position alone",
+                    "granitemoehybrid": "rotate by position alone", "internlm3": "rotate by position alone",
+                    "smollm3": "rotate by position alone"}
 
 
 def expected_refusal(name: str, method: str) -> str | None:
     if method == "full":
         return None
+    if method == "kvquant" and name == "deepseek_v2":
+        return "multiples of 32"
     if name in ATTENTION_REFUSED:
         return ATTENTION_REFUSED[name]
+    if method == "kvquant" and name in PRE_ROPE_REFUSED:
+        return PRE_ROPE_REFUSED[name]
     if method in ("qjl", "turboquant"):  # no channel groups on keys (QJL's values' groups divide every value dim here)
         return None
     if method == "criticalkv" and name in OUTPUT_PROJECTION_REFUSED:
@@ -147,7 +156,8 @@ def test_lossy_settings_run(name, models):
                            ("duoattention", {"budget": 0.5, "n_sink": 4, "recent": 8}),
                            ("decoding", {"budget": 0.5, "scorer": "keydiff", "compression_interval": 3, "target_size": 2}),
                            ("kivi", {"bits": 2, "group_size": 32, "residual": 32}), ("turboquant", {"bits": 3}),
-                           ("turboquant", {"bits": 2.5}), ("qjl", {"buffer": 32})):
+                           ("turboquant", {"bits": 2.5}), ("qjl", {"buffer": 32}),
+                           ("kvquant", {"bits": 3})):
         if reason := expected_refusal(name, method):
             with pytest.raises(ConfigError, match=reason):
                 make_cache(model, method, **params)
@@ -314,3 +324,22 @@ def test_the_probe_finds_the_attention_output_projection(name):
         assert projection.module is o_proj and (projection.n_heads, projection.value_dim) == (4, 32)
         expected = o_proj.weight.T.reshape(4, 32, -1)
         assert float(mx.abs(projection.per_head() - expected).max()) < 1e-6
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_kvquant_keys_rotated_back_are_pre_rope(name, models):
+    """KVQuant rotates the post-RoPE keys mlx-lm hands the cache back to pre-RoPE with the model's own
+    RoPE: in the model's first layer a repeated token's key is the same at every position before
+    RoPE, so the rotated-back keys must be equal along the prompt (checked where layer 0 is one the
+    method compresses); a model whose RoPE cannot be inverted by position is refused up front."""
+    model, _, _ = models(name)
+    if reason := expected_refusal(name, "kvquant"):
+        with pytest.raises(ConfigError, match=reason):
+            make_cache(model, "kvquant")
+        return
+    caches = make_cache(model, "kvquant", residual=64, n_sink=0)  # nothing leaves the window: keys as they came
+    model(mx.full((1, 24), 7, mx.int32), cache=caches)
+    if type(caches[0]).__name__ != "KVQuantCache":
+        pytest.skip("layer 0 is not compressed (a sliding-window or recurrent layer)")
+    back = caches[0]._rotate(caches[0].keys, 0, -1)  # [1, H_kv, 24, D]
+    assert float(mx.abs(back - back[:, :, :1]).max()) < 1e-4 * max(1.0, float(mx.abs(back).max()))

@@ -19,6 +19,7 @@ from .h2o import H2O
 from .keydiff import KeyDiff
 from .keyformer import Keyformer
 from .kivi import Kivi
+from .kvquant import KVQuant
 from .knorm import KNorm
 from .mlx_quant import MlxQuant
 from .pyramidkv import PyramidKV
@@ -31,8 +32,8 @@ from .turboquant import TurboQuant
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (Full, MlxQuant, Kivi, TurboQuant, Qjl, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm,
-                Random, KeyDiff, ExpectedAttention, CriticalKV, DuoAttention, Decoding)
+    for cls in (Full, MlxQuant, Kivi, TurboQuant, Qjl, KVQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV,
+                TOVA, KNorm, Random, KeyDiff, ExpectedAttention, CriticalKV, DuoAttention, Decoding)
 }
 
 

@@ -593,12 +593,20 @@ _stand_ins: dict[tuple, mx.array] = {}
 
 
 def _stand_in(dtype) -> mx.array:
-    """A one-element array for an absent input (a side without codes or residual) or the partials of a
-    kernel that did not run: one per dtype and device, not a new array per layer and step."""
+    """A small array for an absent input (a side without codes or residual) or the partials of a kernel
+    that did not run: one per dtype and device, not a new array per layer and step. Never read, but
+    of METAL_CONSTANT_BELOW elements: smaller, Metal gets it as a constant pointer, which the bodies'
+    device pointers (`c < nb ? o_part : o_mma`, `const device uint* row = kc + ...`) cannot take."""
     key = (dtype, mx.default_device().type)  # not their str() (0.8 us): this runs up to 4 times a layer and step
     if key not in _stand_ins:
-        _stand_ins[key] = mx.zeros((1,), dtype=dtype)
+        _stand_ins[key] = mx.zeros((dispatch.METAL_CONSTANT_BELOW,), dtype=dtype)
     return _stand_ins[key]
+
+
+def metal_fits(D: int, M: int) -> bool:
+    """Whether the scalar kernel's threadgroup arrays fit a Metal threadgroup (32 KiB): not at 8 query
+    rows a KV head (D 32 to 256), nor at 7 with D 256; CUDA's 48 KiB take every supported shape."""
+    return scalar_shared_bytes(D, M) <= dispatch.METAL_THREADGROUP_MEMORY
 
 
 def tensor_cores_cover(queries, keys: PackedSide, values: PackedSide, key_bits: int, value_bits: int,
@@ -665,6 +673,9 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     B, n_q, L, D = queries.shape
     n_kv = keys.residual.shape[1]
     M = n_q // n_kv * L
+    if backend == "metal" and not metal_fits(D, M):
+        raise ValueError(f"the Metal kernel takes at most {dispatch.METAL_THREADGROUP_MEMORY} bytes of threadgroup "
+                         f"memory: {scalar_shared_bytes(D, M)} at D {D}, {M} query rows a KV head")
     dtype = queries.dtype
     rows = B * n_kv
     T = keys.n_packed + keys.residual.shape[2]
@@ -722,6 +733,8 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
                 output_shapes=[(rows, nb, M, D), (rows, nb, M, 2)],
                 output_dtypes=[mx.float32, mx.float32],
             )
+    if stats.size < dispatch.METAL_CONSTANT_BELOW:  # a Metal constant pointer otherwise (see _stand_in)
+        stats = mx.concatenate([stats.reshape(-1), mx.zeros((dispatch.METAL_CONSTANT_BELOW - stats.size,), mx.float32)])
     (out,) = _kernel("combine", backend)(
         inputs=[o_part, stats, o_mma, st_mma, dims],
         grid=(rows * M * COMBINE_THREADS, 1, 1),
@@ -807,6 +820,9 @@ def decode_attention(queries, keys: PackedSide, values: PackedSide, scale: float
         M = n_q // keys.residual.shape[1] * L
         causal = mask is not None and L > 1
         variant = (key_bits, value_bits, group_size, D, M, L, causal)
+        if not metal_fits(D, M) and dispatch.gpu_backend() == "metal":  # (the cheap test first: per layer and step)
+            dispatch.record_reference("kivi_decode_attention", queries.dtype)
+            return decode_attention_reference(queries, keys, values, scale, mask, key_bits, value_bits, group_size)
         backend = dispatch.select("kivi_decode_attention", queries.dtype, variant,
                                   lambda b: _selftest(b, queries.dtype, variant),
                                   cpu=cpu_supported(queries, keys, group_size))

@@ -255,6 +255,32 @@ def test_scored_attention_runs_as_the_reference(emulated_metal, G, D, accumulate
         assert_close(a, b, what, atol)
 
 
+def test_scored_attention_refuses_heads_beyond_metal_s_threadgroup_memory(emulated_metal, monkeypatch):
+    """8 heads at D 256: `attend` holds 33920 bytes of threadgroup arrays, over a Mac's 32 KiB."""
+    from kvcompress.kernels import dispatch
+
+    q, keys, values, scores = kernel.random_case(1, 8, 256, 40, 40, mx.float32)
+    assert kernel.attend_threadgroup_bytes(8, 256) == 33920 and kernel.metal_fits(8, 224)
+    with pytest.raises(ValueError, match="33920"):
+        kernel.scored_attention_fused(q, keys, values, 40, 0.0625, scores, backend="metal")
+    monkeypatch.setattr(kernel, "metal_fits", lambda G, D, max_unroll: True)  # as before the fix
+    with pytest.raises(metal_on_cpu.MetalLimitError, match="33920 bytes"):
+        kernel.scored_attention_fused(q, keys, values, 40, 0.0625, scores, backend="metal")
+    monkeypatch.undo()
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: "metal")
+    dispatch.forget_verdicts()
+    dispatch.reset_paths()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = kernel.scored_attention(q, keys, values, 40, 0.0625, scores)
+        assert dispatch.paths_used() == {"scored_attention/metal/float32": "reference"}
+    finally:
+        dispatch.forget_verdicts()
+        dispatch.reset_paths()
+    assert_equal(got[:3], kernel.scored_attention_reference(q, keys, values, 40, 0.0625, scores)[:3], "the reference")
+
+
 # -- the dispatch's self-tests --------------------------------------------------------------------------------
 
 def test_every_self_test_passes_its_kernel(emulated_metal):

@@ -30,7 +30,8 @@ one rescale. A second tiny kernel combines the blocks. Inside a tile:
 Accumulation is float32 throughout; the query is pre-scaled by scale * log2(e) and exp2 is used.
 
 Supported: key/value bits 2, 4, 8 (3-bit codes straddle words: reference only), head_dim 32, 64,
-128 or 256, 1..8 rows, mask None or "causal" (bottom-right aligned over the L query positions).
+128 or 256, 1..8 rows, mask None or "causal" (bottom-right aligned over the L query positions);
+on Metal 1..7 rows (1..6 at D 256): 8 exceed a threadgroup's 32 KiB (`metal_fits`).
 Everything else runs the reference. On CUDA, fp16 calls with 2-bit keys and values give their packed
 bulk to the tensor-core kernel (kivi_attention_mma.py) and keep the rest (residuals, the causal band)
 here, in one launch and one softmax. `decode_attention` picks the path through kernels/dispatch.py;
@@ -506,9 +507,9 @@ CUDA_ATTN_SOURCE = "const int tid = threadIdx.x; const int blk = blockIdx.x; con
 _CUDA_ATTN_BODY = CUDA_ATTN_SOURCE.split("\n", 1)[1]  # without its first line (tid, blk, bh): for the one launch
 CUDA_COMBINE_SOURCE = "const int tid = threadIdx.x; const long row = blockIdx.x;\n" + _COMBINE_BODY
 
-# Metal: simdgroups of 32 threads stand in for warps. UNTESTED here (no Apple GPU on these
-# machines); the body is the CUDA one, only these macros differ, and the dispatch self-tests it
-# on first use and falls back to the reference if it fails.
+# Metal: simdgroups of 32 threads stand in for warps; the body is the CUDA one, only these macros
+# differ. Never run on an Apple GPU: emulated on the CPU (tests/test_metal_on_cpu.py), and the dispatch
+# self-tests it on first use and falls back to the reference if it fails.
 METAL_HEADER = """
 #define KV_SHARED threadgroup
 #define KV_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)

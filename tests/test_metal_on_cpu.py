@@ -29,6 +29,16 @@ def emulated_metal(monkeypatch, tmp_path):
         monkeypatch.setattr(module, cache, {})
 
 
+def test_every_metal_kernel_module_is_emulated_here():
+    """A new module with a Metal kernel needs its cases here (and its cache in `emulated_metal`)."""
+    from pathlib import Path
+
+    import kvcompress.kernels
+
+    modules = {p.stem for p in Path(kvcompress.kernels.__path__[0]).glob("*.py") if "mx.fast.metal_kernel" in p.read_text()}
+    assert modules == {"evict", "kivi_attention", "kivi_quant", "scored_attention"}
+
+
 def assert_equal(got, want, what):
     assert all(a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item() for a, b in zip(got, want)), what
 
@@ -162,6 +172,19 @@ def test_evict_one_is_bit_exact(emulated_metal, compact, traditional):
     got = evict.evict_one_fused(keys, values, scores, positions, scores, 2, 5, rotation, traditional, "metal")
     want = evict.evict_one_reference(keys, values, scores, positions, scores, 2, 5, rotation, traditional)
     assert_equal(got, want, "keys, values, scores, positions, slot")
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_evict_one_half_types_are_bit_exact(emulated_metal, dtype):
+    """Rows of 16-byte copies and keys rotated back in float32, rounded to the 16-bit type once."""
+    R, n, D = 2, 40, 64
+    k1, k2, k3 = mx.random.split(mx.random.key(6), 3)
+    keys, values = (mx.random.normal((R, n, D), key=k).astype(dtype) for k in (k1, k2))
+    scores = mx.floor(mx.random.uniform(shape=(R, n), key=k3) * 16)
+    positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (R, n))
+    theta = 10000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)
+    args = (keys, values, scores, positions, scores, 2, 5, (mx.cos(theta), mx.sin(theta)), False)
+    assert_equal(evict.evict_one_fused(*args, "metal"), evict.evict_one_reference(*args), f"{dtype}")
 
 
 def test_evict_slot_is_bit_exact(emulated_metal):

@@ -27,13 +27,14 @@ the grid, partial threadgroups at the grid's edges). `EmulatedMetalKernel` stand
 
 Checks a Mac would make, made here too: `address_space_errors` compiles the same text with clang
 (where installed) with `device`, `constant` and `threadgroup` as distinct address spaces, so a
-pointer of one where the other is expected fails as Metal's compiler fails it; a kernel whose
+pointer of one where the other is expected fails as Metal's compiler fails it (clang's errors on
+copying a struct between address spaces, which Metal allows, are not counted); a kernel whose
 threadgroup arrays exceed Apple GPUs' 32 KiB, or a threadgroup of more than 1024 threads, is
 refused (`MetalLimitError`), as pipeline creation refuses it.
 
 What the shim cannot check: the Metal compiler's own diagnostics and language rules beyond the
-address spaces (clang's C++20 is more permissive than the Metal Shading Language, g++'s pragmas
-for `clang loop unroll` are ignored); a pipeline's real thread limit (it depends on the registers the
+address spaces (clang's C++20 is more permissive than the Metal Shading Language; g++ ignores the
+`clang loop unroll` pragmas); a pipeline's real thread limit (it depends on the registers the
 compiler allocates, at most 1024); real SIMD-group scheduling (here every lane of a group reaches
 each collective; divergent collectives that a GPU would run with some lanes inactive deadlock or
 read stale values here, and the order of `simd_sum`'s additions is lane order); memory-model races
@@ -52,12 +53,11 @@ from pathlib import Path
 import numpy as np
 
 from cuda_on_cpu import GXX, build
+from kvcompress.kernels.dispatch import METAL_CONSTANT_BELOW as MAX_CONSTANT_ARRAY_SIZE  # metal_kernel.cpp's name
+from kvcompress.kernels.dispatch import METAL_THREADGROUP_MEMORY as THREADGROUP_MEMORY_LIMIT
 
 CLANG = shutil.which("clang++")
-
-THREADGROUP_MEMORY_LIMIT = 32768  # bytes: maxThreadgroupMemoryLength of Apple GPUs (families 4 to 9)
-MAX_THREADS_PER_THREADGROUP = 1024
-MAX_CONSTANT_ARRAY_SIZE = 8  # metal_kernel.cpp: inputs with fewer elements go in the constant address space
+MAX_THREADS_PER_THREADGROUP = 1024  # Metal's upper bound; a pipeline's own may be lower
 
 # metal_kernel.cpp's `metal_attributes`, in its order (the parameters follow this order)
 METAL_ATTRIBUTES = [
@@ -173,15 +173,10 @@ def _template_hash(template_def: str) -> str:
 
 METAL_SHIM = r"""
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <thread>
-#include <vector>
 using uint = unsigned int;
 using ushort = unsigned short;
 using uchar = unsigned char;
@@ -234,6 +229,11 @@ CHECK_HALF = "using half = __fp16;\nusing bfloat = __fp16;"
 
 # barriers and SIMD-group collectives over OS threads
 RUNTIME = r"""
+#include <barrier>
+#include <cstdio>
+#include <memory>
+#include <thread>
+#include <vector>
 struct SimdGroup { std::unique_ptr<std::barrier<>> bar; int size; alignas(8) unsigned char exchange[32][8]; };
 struct ThreadPlace {
     uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid,
@@ -456,7 +456,9 @@ class EmulatedMetalKernel:
         workdir.mkdir(parents=True)
         self.calls += 1
         if CLANG is not None:
-            errors = address_space_errors(text, workdir)
+            errors = _address_space_checks.get(text)
+            if errors is None:  # the same text again (a self-test after a test's case): checked once
+                errors = _address_space_checks[text] = address_space_errors(text, workdir)
             if errors:
                 raise RuntimeError(f"{kernel_name} does not compile with Metal's address spaces:\n"
                                    + "\n".join(errors)[-3000:])
@@ -494,6 +496,9 @@ class EmulatedMetalKernel:
             got = np.fromfile(workdir / f"{n}.out", dtype=NUMPY_DTYPES.get(d, d)).reshape(shape)
             outs.append(mx.array(got).view(mx.bfloat16) if d == "bfloat16" else mx.array(got))
         return outs
+
+
+_address_space_checks: dict[str, list[str]] = {}  # kernel text -> address_space_errors
 
 
 def emulated(workdir: Path):

@@ -138,8 +138,7 @@ def test_threadgroup_memory_beyond_32_kib_is_refused(emulated_metal):
 # -- kivi_quant ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bits, G, per_channel, groups", [
-    (2, 32, False, 3), (4, 64, False, 3), (8, 128, False, 3), (2, 32, True, 2), (4, 32, True, 2), (8, 64, True, 2),
-    (2, 128, True, 2), (2, 32, True, 5)])
+    (2, 32, False, 3), (4, 64, False, 3), (8, 128, False, 3), (2, 32, True, 2), (8, 64, True, 2), (2, 32, True, 5)])
 def test_kivi_quantize_pack_is_bit_exact(emulated_metal, bits, G, per_channel, groups):
     # the CUDA test's shapes: part of the last SIMD group idle, an odd chunk count, partial group blocks
     shape = (3, groups * G, 44) if per_channel else (3, 7, groups * G)
@@ -206,7 +205,6 @@ def test_evict_slot_is_bit_exact(emulated_metal):
     (2, 4, 1, False, 64, 640, 572, 2, 4), (4, 2, 2, True, 64, 640, 572, 2, 2), (8, 8, 1, False, 32, 640, 572, 2, 4),
     (4, 4, 1, False, 256, 640, 572, 2, 4), (2, 2, 1, False, 128, 640, 572, 2, 7),  # 7 rows at D 128: 32340 bytes
     (2, 2, 1, False, 64, 0, 572, 2, 4),  # no key codes: their arrays are stand-ins
-    (4, 4, 1, False, 64, 640, 700, 2, 4),  # no residual values: the same
     (2, 2, 1, False, 64, 640, 572, 1, 1),  # one row of one query: 4 statistics (2 partials), padded
 ])
 def test_kivi_decode_attention_runs_as_the_reference(emulated_metal, key_bits, value_bits, L, causal, D, n_k, n_v,
@@ -257,8 +255,7 @@ def test_kivi_decode_attention_refuses_rows_beyond_metal_s_threadgroup_memory(em
     (3, 32, False, None, False, False, 8),  # TOVA; heads padded to 4
     (1, 32, False, None, False, True, 4),  # one head, vector loads, 4 slots a SIMD-group step
     (4, 64, True, "redraw", False, False, 8),  # Keyformer
-    (3, 32, True, "frozen", False, False, 8),
-    (8, 64, True, "redraw", True, False, 8),  # Keyformer choosing the slot
+    (8, 64, True, "frozen", True, False, 8),  # Keyformer choosing the slot
     (4, 128, True, None, True, True, 8),  # H2O choosing the slot, vector loads
 ])
 def test_scored_attention_runs_as_the_reference(emulated_metal, G, D, accumulate, noise, evicts, vec, unroll):

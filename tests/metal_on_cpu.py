@@ -10,6 +10,9 @@ elements is `const constant T*` (a 0-d one `const constant T&`), the others `con
 suffix; outputs are `device T*`; each Metal attribute whose name the body contains
 (`thread_position_in_grid`, `simdgroup_index_in_threadgroup`, ...) becomes a parameter; a
 template becomes `template <...>` plus an explicit instantiation under the name MLX gives it.
+Where the installed MLX can write the text itself (it does so without a Metal back-end while an
+export traces the call, and prints it with `verbose=True`: `mlx_kernel_text`), every call checks
+that the two texts are the same, byte for byte.
 MLX puts its `utils.h` (Metal's standard library, `using namespace metal`, `float16_t` = half,
 `bfloat16_t` = bfloat) before the header; METAL_SHIM stands in for it.
 
@@ -45,9 +48,11 @@ contractions; speed.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -153,6 +158,38 @@ def kernel_text(name: str, input_names: list[str], output_names: list[str], sour
         instance = kernel_name + template_def
         text += f'\ntemplate [[host_name("{kernel_name}")]] [[kernel]] decltype({instance}) {instance};\n'
     return kernel_name, text, params
+
+
+def mlx_kernel_text(make, kernel_args: dict, inputs: list, call_args: dict, workdir: Path) -> str | None:
+    """The kernel text the installed MLX writes for one call, or None where it cannot here.
+
+    make: the real `mx.fast.metal_kernel`. Without a Metal back-end MLX still builds the kernel's
+    text while `mx.export_function` traces a call (metal_kernel.cpp: `in_export_tracing`), and
+    `verbose=True` prints it to the process's standard output (C++'s, so fd 1 is redirected)."""
+    import mlx.core as mx
+
+    kernel = make(**kernel_args)
+
+    def call(*arrays):
+        return kernel(inputs=list(arrays), **call_args, verbose=True)
+
+    printed = workdir / "mlx_kernel_text.txt"
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(printed, "w") as sink:
+            os.dup2(sink.fileno(), 1)
+            try:
+                mx.export_function(str(workdir / "kernel.mlxfn"), call, *inputs)
+            except (RuntimeError, ValueError):  # an MLX that needs a Metal back-end for this
+                return None
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    text = printed.read_text()
+    if "```\n" not in text:
+        return None
+    return text.split("```\n", 1)[1].rsplit("\n```", 1)[0]  # between the fences, less std::endl's newline
 
 
 def _template_value(value) -> str:
@@ -435,8 +472,11 @@ class EmulatedMetalKernel:
             raise NotImplementedError("metal_on_cpu: atomic outputs are not emulated")
         self.workdir, self.name, self.source, self.header = workdir, name, source, header
         self.input_names, self.output_names = list(input_names), list(output_names)
+        self.kernel_args = dict(name=name, input_names=input_names, output_names=output_names, source=source,
+                                header=header, ensure_row_contiguous=ensure_row_contiguous)
         self.calls = 0
         self.texts: list[str] = []  # every kernel text compiled, for tests to read
+        self.same_as_mlx = 0  # calls whose text the installed MLX wrote too, the same
 
     def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, init_value=None,
                  verbose=False, stream=None):
@@ -455,6 +495,12 @@ class EmulatedMetalKernel:
         workdir = self.workdir / f"{self.name}_{self.calls}"
         workdir.mkdir(parents=True)
         self.calls += 1
+        call_args = dict(output_shapes=output_shapes, output_dtypes=output_dtypes, grid=grid, threadgroup=threadgroup,
+                         template=template)
+        mlx_text = mlx_kernel_text(MLX_METAL_KERNEL, self.kernel_args, inputs, call_args, workdir)
+        if mlx_text is not None and mlx_text != text:
+            raise AssertionError(f"kernel_text differs from the installed MLX's text for {kernel_name}:\n{mlx_text}")
+        self.same_as_mlx += mlx_text is not None
         if CLANG is not None:
             errors = _address_space_checks.get(text)
             if errors is None:  # the same text again (a self-test after a test's case): checked once
@@ -499,6 +545,15 @@ class EmulatedMetalKernel:
 
 
 _address_space_checks: dict[str, list[str]] = {}  # kernel text -> address_space_errors
+
+
+def _real_metal_kernel():
+    import mlx.core as mx
+
+    return mx.fast.metal_kernel
+
+
+MLX_METAL_KERNEL = _real_metal_kernel()  # before any test replaces it
 
 
 def emulated(workdir: Path):

@@ -49,7 +49,7 @@ def assert_close(got, want, what, atol=1e-6):
 
 # -- the kernel text: MLX's signature generation --------------------------------------------------------
 
-def test_the_kernel_text_is_mlx_s():
+def test_the_kernel_text_is_mlx_s(tmp_path):
     """A call with a small input, a 0-d one, a shape the body reads and a template: the parameters and
     names metal_kernel.cpp writes (constant below 8 elements, `&` for 0-d, bools as 1 / 0)."""
     source = "out[thread_position_in_grid.x] = x[0] * s + (float)dims[0] + x_shape[0];"
@@ -74,6 +74,12 @@ decltype(custom_kernel_k__float16_t_7_1_float_int32_tc_floats_float16_t<float16_
 custom_kernel_k__float16_t_7_1_float_int32_tc_floats_float16_t<float16_t, 7, 1>;
 """
     assert [kind for kind, _ in params] == ["input", "shape", "input", "scalar", "output", "attribute"]
+    # the installed MLX writes the same (as every emulated call checks)
+    made = dict(name="k", input_names=["x", "dims", "s"], output_names=["out"], source=source, header="// header\n")
+    inputs = [mx.zeros((4, 16)), mx.zeros((3,), mx.int32), mx.array(1.0)]
+    call = dict(output_shapes=[(1,)], output_dtypes=[mx.float16], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                template=[("T", mx.float16), ("N", 7), ("B", True)])
+    assert metal_on_cpu.mlx_kernel_text(mx.fast.metal_kernel, made, inputs, call, tmp_path) == text
 
 
 def test_simd_collectives_and_partial_threadgroups(emulated_metal):
@@ -98,6 +104,7 @@ def test_simd_collectives_and_partial_threadgroups(emulated_metal):
     n = 100  # threadgroups of 64: 64 threads (two SIMD groups), then 36 (32 and 4)
     x = mx.arange(n, dtype=mx.float32) + 1
     (out,) = k(inputs=[x], grid=(n, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(n, 8)], output_dtypes=[mx.float32])
+    assert k.same_as_mlx == 1  # the text compiled is the one the installed MLX writes
     out, x = np.array(out), np.array(x)
     for i in range(n):
         group, lane = i // 64, i % 64 % 32

@@ -226,6 +226,19 @@ def test_kivi_decode_attention_runs_as_the_reference(emulated_metal, key_bits, v
     assert_close(got, want, "output", atol=1e-5)
 
 
+@needs_clang
+def test_one_element_stand_ins_do_not_compile_on_metal(emulated_metal, monkeypatch):
+    """The bug the cases above catch: with the stand-ins of one element they had before the fix, MLX
+    passes them as constant pointers and the combine does not compile."""
+    from kvcompress.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "METAL_CONSTANT_BELOW", 1)  # the library's stand-ins and padding only
+    monkeypatch.setattr(kivi_attention, "_stand_ins", {})
+    q, keys, values = kivi_attention.random_case(2, 4, 32, 64, 4, 1, mx.float32, seed=2)
+    with pytest.raises(RuntimeError, match="kivi_decode_combine(.|\n)*incompatible operand types"):
+        kivi_attention.decode_attention_fused(q, keys, values, 0.125, False, 2, 4, 32, "metal")
+
+
 def test_kivi_decode_attention_refuses_rows_beyond_metal_s_threadgroup_memory(emulated_metal, monkeypatch):
     """8 query rows a KV head need 34912 bytes of threadgroup memory at D 64: a Mac cannot build the
     pipeline (the emulator refuses it as MetalLimitError). The kernel's wrapper says so, and the

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvcompress in a virtual environment: system BLAS, Python packages, embedded model and data.
-# Usage: scripts/setup.sh [VENV] [--test]   (--test also installs Chromium for the HTML report test)
+# Usage: scripts/setup.sh [VENV] [--test]   (--test also installs Chromium for the HTML report test and
+# clang for the Metal kernels' address-space check)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv
@@ -24,6 +25,9 @@ if [[ "$(uname -s)" == Linux ]]; then
   command -v c++ >/dev/null || apt_install g++ || echo "setup: no C++ compiler: KIVI attention on the CPU will run the MLX reference" >&2
   if $with_test_tools && [ ! -x /usr/bin/chromium ]; then
     apt_install chromium || echo "setup: Chromium not installed: the HTML screenshot test will skip" >&2
+  fi
+  if $with_test_tools && ! command -v clang++ >/dev/null; then  # tests/metal_on_cpu.py: Metal's address spaces
+    apt_install clang || echo "setup: clang++ not installed: the Metal kernels' address-space check will skip" >&2
   fi
 fi
 

@@ -262,17 +262,7 @@ def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inpu
         calls.append(f"    launch({blocks_x}, {blocks_y}, {threads}, [&] {{ {call}({pointers}); }});")
     saves = [f'    save("{name}.out", {name});' for name in outputs]
     main = "int main() {\n" + "\n".join(arrays + calls + saves) + "\n    return 0;\n}\n"
-    program = f'#include "{PRELUDE}"\n' + kernels + main
-    binary = _binaries.get(program)
-    if binary is None:  # the same program (kernel, template, sizes) again: reuse its build
-        source = workdir / "run.cpp"
-        source.write_text(program)
-        binary = workdir / "run"
-        build = subprocess.run([GXX, *BUILD_FLAGS, "-I", str(_prelude_dir()), str(source), "-o", str(binary)],
-                               capture_output=True, text=True)
-        if build.returncode:
-            raise RuntimeError(build.stderr[-3000:])
-        _binaries[program] = binary
+    binary = build(DECLARATIONS + RUNTIME, kernels + main, workdir)
     subprocess.run([str(binary)], check=True, timeout=300, cwd=workdir)
     return {name: np.fromfile(workdir / f"{name}.out", dtype=dtype) for name, (count, dtype) in outputs.items()}
 
@@ -280,29 +270,46 @@ def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inpu
 _binaries: dict[str, Path] = {}  # program text -> its build (files are read from the working directory)
 
 BUILD_FLAGS = ["-std=c++20", "-O1", "-pthread", "-w"]
-PRELUDE = "cuda_on_cpu_prelude.h"  # DECLARATIONS + RUNTIME, included first by every program
+PRELUDE = "prelude.h"  # the shim (CUDA's: DECLARATIONS + RUNTIME), included first by every program
+
+
+def build(prelude: str, program: str, workdir: Path) -> Path:
+    """The binary of `program` (C++ after `#include` of the shim text `prelude`), built in workdir,
+    or the build of the same text made earlier in this process (the same kernel, template and sizes)."""
+    text = f'#include "{PRELUDE}"\n' + program
+    directory = _prelude_dir(prelude)
+    binary = _binaries.get(str(directory) + text)
+    if binary is None:
+        source = workdir / "run.cpp"
+        source.write_text(text)
+        binary = workdir / "run"
+        result = subprocess.run([GXX, *BUILD_FLAGS, "-I", str(directory), str(source), "-o", str(binary)],
+                                capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(result.stderr[-3000:])
+        _binaries[str(directory) + text] = binary
+    return binary
 
 
 @functools.lru_cache(maxsize=None)
-def _prelude_dir() -> Path:
-    """A directory holding PRELUDE and its precompiled form (built once per machine and prelude text).
+def _prelude_dir(text: str) -> Path:
+    """A directory holding PRELUDE (`text`) and its precompiled form (built once per machine and text).
 
     Parsing the prelude's standard headers (<thread>, <barrier>, ...) took ~1.8 s of each ~2.6 s build;
     with the precompiled header a build takes the kernel's own time. Built into a temporary directory
     and renamed into place, so concurrent test processes never see half a file; where the precompiled
     header cannot be used, g++ reads the plain header next to it (same result, slower)."""
-    text = DECLARATIONS + RUNTIME
     version = subprocess.run([GXX, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([text, version, *BUILD_FLAGS]).encode()).hexdigest()[:16]
-    final = Path(tempfile.gettempdir()) / f"kvcompress-cuda-on-cpu-{key}"
+    final = Path(tempfile.gettempdir()) / f"kvcompress-on-cpu-{key}"
     if not (final / f"{PRELUDE}.gch").exists():
         staging = Path(tempfile.mkdtemp(prefix=f"{final.name}-", dir=final.parent))
         (staging / PRELUDE).write_text(text)
-        build = subprocess.run([GXX, *BUILD_FLAGS, "-x", "c++-header", str(staging / PRELUDE), "-o",
-                                str(staging / f"{PRELUDE}.gch")], capture_output=True, text=True)
-        if build.returncode:
+        result = subprocess.run([GXX, *BUILD_FLAGS, "-x", "c++-header", str(staging / PRELUDE), "-o",
+                                 str(staging / f"{PRELUDE}.gch")], capture_output=True, text=True)
+        if result.returncode:
             shutil.rmtree(staging, ignore_errors=True)
-            raise RuntimeError(build.stderr[-3000:])
+            raise RuntimeError(result.stderr[-3000:])
         try:
             os.rename(staging, final)
         except OSError:  # another process has put its (identical) build in place first

@@ -26,6 +26,15 @@ import mlx.core as mx
 ENV = "KVCOMPRESS_KERNELS"
 MODES = ("auto", "reference", "fused")
 
+# Apple GPUs give a threadgroup at most 32 KiB of threadgroup memory (Metal's maxThreadgroupMemoryLength
+# on Apple silicon), where CUDA allows a block 48 KiB of static shared memory: a kernel sized for CUDA
+# can fail to build its Metal pipeline (tests/metal_on_cpu.py measures each kernel's arrays).
+METAL_THREADGROUP_MEMORY = 32768
+# MLX passes a Metal kernel's inputs of fewer elements than this in the constant address space, the
+# others in the device one (mlx/backend/common/metal_kernel.cpp); a body that mixes the two kinds of
+# pointer (`c ? a : b`, `const device T* p = a`) does not compile on a Mac.
+METAL_CONSTANT_BELOW = 8
+
 _verdicts: dict[tuple, str] = {}  # (kernel, backend, dtype, variant) -> "fused" | "reference"
 _failures: dict[tuple, str] = {}  # the same key -> why its self-test failed ("TypeError: ...")
 _paths: dict[str, str] = {}  # "kernel/backend/dtype" -> path of the latest call since reset_paths()

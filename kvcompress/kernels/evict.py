@@ -24,8 +24,8 @@ Implementations of the same function, side by side:
   the row, so a row's copy spreads over many SMs. Products and sums are rounded separately (CUDA
   `__fmul_rn`/`__fadd_rn`, Metal `precise::fma(x, y, 0)`) so the compiler cannot contract them into
   FMAs: that keeps the rotation bit-identical to MLX's separate multiply/subtract kernels. The CUDA
-  path is checked bit-exact on an H200 (benchmarks/evict_gpu.py); the Metal path cannot run on
-  these machines (no Apple GPU) and is untested.
+  path is checked bit-exact on an H200 (benchmarks/evict_gpu.py); the Metal path has never run on
+  an Apple GPU and is checked bit-exact in the CPU emulator (tests/test_metal_on_cpu.py).
 `evict_slot`: the same pair, `evict_slot_reference` and one body (`_SLOT_BODY`) for both GPU
 back-ends: one block per row, each thread keeps its best (score, position, slot) over a strided
 share of the row, then a shared-memory reduction. It writes only the [R] slots; the token write

@@ -30,7 +30,8 @@ one rescale. A second tiny kernel combines the blocks. Inside a tile:
 Accumulation is float32 throughout; the query is pre-scaled by scale * log2(e) and exp2 is used.
 
 Supported: key/value bits 2, 4, 8 (3-bit codes straddle words: reference only), head_dim 32, 64,
-128 or 256, 1..8 rows, mask None or "causal" (bottom-right aligned over the L query positions).
+128 or 256, 1..8 rows, mask None or "causal" (bottom-right aligned over the L query positions);
+on Metal 1..7 rows (1..6 at D 256): 8 exceed a threadgroup's 32 KiB (`metal_fits`).
 Everything else runs the reference. On CUDA, fp16 calls with 2-bit keys and values give their packed
 bulk to the tensor-core kernel (kivi_attention_mma.py) and keep the rest (residuals, the causal band)
 here, in one launch and one softmax. `decode_attention` picks the path through kernels/dispatch.py;
@@ -506,9 +507,9 @@ CUDA_ATTN_SOURCE = "const int tid = threadIdx.x; const int blk = blockIdx.x; con
 _CUDA_ATTN_BODY = CUDA_ATTN_SOURCE.split("\n", 1)[1]  # without its first line (tid, blk, bh): for the one launch
 CUDA_COMBINE_SOURCE = "const int tid = threadIdx.x; const long row = blockIdx.x;\n" + _COMBINE_BODY
 
-# Metal: simdgroups of 32 threads stand in for warps. UNTESTED here (no Apple GPU on these
-# machines); the body is the CUDA one, only these macros differ, and the dispatch self-tests it
-# on first use and falls back to the reference if it fails.
+# Metal: simdgroups of 32 threads stand in for warps; the body is the CUDA one, only these macros
+# differ. Never run on an Apple GPU: emulated on the CPU (tests/test_metal_on_cpu.py), and the dispatch
+# self-tests it on first use and falls back to the reference if it fails.
 METAL_HEADER = """
 #define KV_SHARED threadgroup
 #define KV_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
@@ -593,12 +594,20 @@ _stand_ins: dict[tuple, mx.array] = {}
 
 
 def _stand_in(dtype) -> mx.array:
-    """A one-element array for an absent input (a side without codes or residual) or the partials of a
-    kernel that did not run: one per dtype and device, not a new array per layer and step."""
+    """A small array for an absent input (a side without codes or residual) or the partials of a kernel
+    that did not run: one per dtype and device, not a new array per layer and step. Never read, but
+    of METAL_CONSTANT_BELOW elements: smaller, Metal gets it as a constant pointer, which the bodies'
+    device pointers (`c < nb ? o_part : o_mma`, `const device uint* row = kc + ...`) cannot take."""
     key = (dtype, mx.default_device().type)  # not their str() (0.8 us): this runs up to 4 times a layer and step
     if key not in _stand_ins:
-        _stand_ins[key] = mx.zeros((1,), dtype=dtype)
+        _stand_ins[key] = mx.zeros((dispatch.METAL_CONSTANT_BELOW,), dtype=dtype)
     return _stand_ins[key]
+
+
+def metal_fits(D: int, M: int) -> bool:
+    """Whether the scalar kernel's threadgroup arrays fit a Metal threadgroup (32 KiB): not at 8 query
+    rows a KV head (D 32 to 256), nor at 7 with D 256; CUDA's 48 KiB take every supported shape."""
+    return scalar_shared_bytes(D, M) <= dispatch.METAL_THREADGROUP_MEMORY
 
 
 def tensor_cores_cover(queries, keys: PackedSide, values: PackedSide, key_bits: int, value_bits: int,
@@ -665,6 +674,9 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
     B, n_q, L, D = queries.shape
     n_kv = keys.residual.shape[1]
     M = n_q // n_kv * L
+    if backend == "metal" and not metal_fits(D, M):
+        raise ValueError(f"the Metal kernel takes at most {dispatch.METAL_THREADGROUP_MEMORY} bytes of threadgroup "
+                         f"memory: {scalar_shared_bytes(D, M)} at D {D}, {M} query rows a KV head")
     dtype = queries.dtype
     rows = B * n_kv
     T = keys.n_packed + keys.residual.shape[2]
@@ -722,6 +734,8 @@ def decode_attention_fused(queries, keys: PackedSide, values: PackedSide, scale:
                 output_shapes=[(rows, nb, M, D), (rows, nb, M, 2)],
                 output_dtypes=[mx.float32, mx.float32],
             )
+    if stats.size < dispatch.METAL_CONSTANT_BELOW:  # a Metal constant pointer otherwise (see _stand_in)
+        stats = mx.concatenate([stats.reshape(-1), mx.zeros((dispatch.METAL_CONSTANT_BELOW - stats.size,), mx.float32)])
     (out,) = _kernel("combine", backend)(
         inputs=[o_part, stats, o_mma, st_mma, dims],
         grid=(rows * M * COMBINE_THREADS, 1, 1),
@@ -807,6 +821,9 @@ def decode_attention(queries, keys: PackedSide, values: PackedSide, scale: float
         M = n_q // keys.residual.shape[1] * L
         causal = mask is not None and L > 1
         variant = (key_bits, value_bits, group_size, D, M, L, causal)
+        if not metal_fits(D, M) and dispatch.gpu_backend() == "metal":  # (the cheap test first: per layer and step)
+            dispatch.record_reference("kivi_decode_attention", queries.dtype)
+            return decode_attention_reference(queries, keys, values, scale, mask, key_bits, value_bits, group_size)
         backend = dispatch.select("kivi_decode_attention", queries.dtype, variant,
                                   lambda b: _selftest(b, queries.dtype, variant),
                                   cpu=cpu_supported(queries, keys, group_size))

@@ -15,8 +15,8 @@ kernels must match it bit for bit):
   (scale 0) gets code 0 and dequantizes exactly to its value.
 
 `quantize_pack` goes through kvcompress/kernels/dispatch.py: a CUDA kernel (`mx.fast.cuda_kernel`,
-tested on an H200) or a Metal kernel (`mx.fast.metal_kernel`, same body, UNTESTED here: no Apple
-GPU available), each used only after a bit-exact self-test on first use, for 2/4/8-bit codes (3-bit
+tested on an H200) or a Metal kernel (`mx.fast.metal_kernel`, same body, never run on an Apple GPU:
+bit-exact in the CPU emulator, tests/test_metal_on_cpu.py), each used only after a bit-exact self-test on first use, for 2/4/8-bit codes (3-bit
 codes and rows the kernel's loads do not tile run the reference, see `kernel_supported`); on CPU the
 MLX reference.
 """
@@ -274,8 +274,8 @@ CUDA_HEADER = """
 CUDA_SOURCE = "const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;\n" + _BODY
 
 # Metal: compiled with math_mode "safe" so `/` is correctly rounded; simdgroups of 32 stand in for
-# warps. UNTESTED here (no Apple GPU on these machines); only these macros differ from CUDA, and the
-# dispatch self-tests the kernel bit for bit on first use.
+# warps. Never run on an Apple GPU (emulated on the CPU: tests/test_metal_on_cpu.py); only these
+# macros differ from CUDA, and the dispatch self-tests the kernel bit for bit on first use.
 METAL_HEADER = """
 #define FDIV(a, b) ((a) / (b))
 #define FMIN metal::fmin

@@ -60,7 +60,9 @@ ones: 91-104 against 82-92 us), more blocks per row (128 / 192: 92 / 124 us).
 Supported: head_dim a multiple of 32 up to 256, 1..8 query heads per KV row, float16 / bfloat16 /
 float32, one query per row (a decode step), no mask. `scored_attention` picks the path through
 kernels/dispatch.py (self-test on first use, else the reference). The Metal body is the CUDA one
-behind the macros of kivi_attention.py; it cannot be run on these machines (no Apple GPU).
+behind the macros of kivi_attention.py; never run on an Apple GPU, it is checked in the CPU
+emulator (tests/test_metal_on_cpu.py); 8 heads at D 256 exceed a Metal threadgroup's 32 KiB and run
+the reference there (`metal_fits`).
 """
 
 from __future__ import annotations
@@ -555,6 +557,9 @@ def scored_attention_fused(q, keys, values, n: int, scale: float, scores=None, n
                            vec_loads: bool = VEC_LOADS, max_unroll: int = MAX_UNROLL):
     """The two kernels; the same contract as `scored_attention_reference` for supported inputs."""
     R, G, D = q.shape
+    if backend == "metal" and not metal_fits(G, D, max_unroll):
+        raise ValueError(f"the Metal kernel takes at most {dispatch.METAL_THREADGROUP_MEMORY} bytes of threadgroup "
+                         f"memory: {attend_threadgroup_bytes(G, D, max_unroll)} at {G} heads, D {D}")
     plan = launch_plan(n, R, G, D, keys.shape[1], scale, noise, evict, blocks)
     dims, params = dispatch.constant(plan.dims, mx.int32), dispatch.constant(plan.params, mx.float32)
     slot_dims = dispatch.constant(plan.slot_dims, mx.int32)
@@ -645,7 +650,25 @@ def _selftest(backend: str, dtype, variant: tuple) -> None:
         dispatch.assert_close(a, b, tol, f"scored_attention self-test ({what})")
 
 
+def attend_threadgroup_bytes(G: int, D: int, max_unroll: int = MAX_UNROLL) -> int:
+    """Bytes of `attend`'s threadgroup arrays (_ATTEND_BODY): a warp step's probabilities and rescales,
+    then each warp's statistics and outputs per head."""
+    NW = THREADS // 32
+    GP = 1 if G <= 1 else 2 if G <= 2 else 4 if G <= 4 else 8
+    UN = min(32 // GP, max_unroll)
+    return 4 * (NW * UN * GP + NW * GP + 4 * NW * G + NW * G * D)
+
+
+def metal_fits(G: int, D: int, max_unroll: int = MAX_UNROLL) -> bool:
+    """Whether `attend` fits a Metal threadgroup (32 KiB): all supported shapes but 8 heads at D 256
+    (33920 bytes; CUDA's 48 KiB take it)."""
+    return attend_threadgroup_bytes(G, D, max_unroll) <= dispatch.METAL_THREADGROUP_MEMORY
+
+
 def _backend(q, accumulate: bool, noisy: bool, evicts: bool) -> str | None:
+    if not metal_fits(q.shape[1], q.shape[2]) and dispatch.gpu_backend() == "metal":  # (the cheap test first)
+        dispatch.record_reference("scored_attention", q.dtype)
+        return None
     variant = (q.shape[1], q.shape[2], accumulate, noisy, evicts)
     return dispatch.select("scored_attention", q.dtype, variant, lambda b: _selftest(b, q.dtype, variant))
 

@@ -10,6 +10,7 @@ a Dask cluster (flows/dask_shards.py). docs/many-machines.md says when to use wh
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -78,6 +79,8 @@ def sweep(
     """
     logger = get_run_logger()
     results = results or default_root()
+    if "://" not in results:  # shards may run elsewhere (a worker's own working directory): the same place
+        results = os.path.abspath(results)
     if sweep_id is not None:
         validate_sweep_id(sweep_id)
     validate_dask(dask)

@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from kvcompress_flows.local_server import stop_process_group
+from machines import Machine
 from result_rows import comparable_rows
-from s3_server import AWS_ENV, BUCKET
+from s3_server import BUCKET
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = [sys.executable, "-m", "prefect"]
+DOC = (ROOT / "docs" / "many-machines.md").read_text()
 POOL = "kvcompress-shards"
 # two shards (one per sample) of two runs each
 GRID = {"name": "machines", "decode_steps": 2, "datasets": [{"name": "passkey", "context_tokens": [256], "num_samples": 2}],
@@ -54,60 +53,11 @@ def shard_deployment(prefect_server):
         prefect("work-pool", "delete", POOL, env=env)
 
 
-class Machine:
-    """A directory standing for one machine: its working directory, home, caches and Prefect home; the
-    environment it gets is built from nothing but the install (PATH, PYTHONPATH), the API and the store."""
-
-    def __init__(self, base: Path, name: str, api_url: str):
-        self.name, self.dir = name, base / name
-        self.env = {
-            "PATH": os.environ["PATH"], "HOME": str(self.dir / "home"), "PREFECT_HOME": str(self.dir / "prefect"),
-            "XDG_CACHE_HOME": str(self.dir / "cache"), "KVCOMPRESS_CACHE": str(self.dir / "cache" / "kvcompress"),
-            "HF_HOME": str(self.dir / "cache" / "huggingface"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": "1", **AWS_ENV,
-        }
-        if "PYTHONPATH" in os.environ:  # the install under test, when it is not the venv's own
-            self.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-        for sub in ("work", "home", "prefect", "cache"):
-            (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        self.worker: subprocess.Popen | None = None
-
-    def start_worker(self, name: str) -> None:
-        """`prefect worker start --pool kvcompress-shards --limit 1` (docs/many-machines.md), online."""
-        log = open(self.dir / "worker.log", "a")
-        self.worker = subprocess.Popen([*PREFECT, "worker", "start", "--pool", POOL, "--limit", "1", "--name", name],
-                                       cwd=self.dir / "work", env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
-        deadline = time.monotonic() + 300
-        while name not in online_workers():
-            assert self.worker.poll() is None and time.monotonic() < deadline, (self.dir / "worker.log").read_text()[-3000:]
-            time.sleep(0.5)
-
-    def flow_runs(self) -> list[str]:
-        """Ids of the flow runs this machine's worker is executing (their processes' PREFECT__FLOW_RUN_ID)."""
-        ids = []
-        for child in psutil.Process(self.worker.pid).children(recursive=True):
-            try:
-                ids.append(child.environ()["PREFECT__FLOW_RUN_ID"])
-            except (psutil.Error, KeyError):
-                continue
-        return ids
-
-    def die(self) -> None:
-        """SIGKILL the worker and every process under it, as a machine that loses power."""
-        processes = [psutil.Process(self.worker.pid), *psutil.Process(self.worker.pid).children(recursive=True)]
-        for process in processes:
-            try:
-                process.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        self.worker.wait()
-
-    def stop(self) -> None:
-        if self.worker is not None:
-            for child in psutil.Process(self.worker.pid).children(recursive=True) if self.worker.poll() is None else ():
-                child.kill()  # a flow run in its own session is not in the worker's process group
-            stop_process_group(self.worker)
+def start_worker(machine: Machine, name: str) -> None:
+    """The worker command of docs/many-machines.md, on `machine`, until the server lists it online."""
+    command = ["prefect", "worker", "start", "--pool", POOL, "--limit", "1"]
+    assert " ".join(command) in DOC
+    machine.start([sys.executable, "-m", *command, "--name", name], until=lambda: name in online_workers())
 
 
 def flow_run_state(flow_run_id: str) -> str:
@@ -139,7 +89,7 @@ def test_two_machines_sharing_only_the_api_and_a_bucket_lose_nothing_to_a_killed
                  "--results", url, "--distribute"]
     try:
         for machine in machines:
-            machine.start_worker(machine.name)
+            start_worker(machine, machine.name)
         parent = subprocess.Popen([*sweep_cmd, "--shard-timeout", str(SHARD_TIMEOUT_S)], cwd=server_dir,
                                   env={**os.environ, "KVCOMPRESS_HOME": str(ROOT)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
@@ -166,7 +116,7 @@ def test_two_machines_sharing_only_the_api_and_a_bucket_lose_nothing_to_a_killed
             first_pass = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="machines-")))
         wait_final([str(r.id) for r in first_pass if str(r.id) != killed_run])
         written_before = set(s3.keys(f"{prefix}/runs/"))
-        doomed.start_worker(f"{doomed.name}-rebooted")
+        start_worker(doomed, f"{doomed.name}-rebooted")
         rerun = subprocess.run(sweep_cmd, cwd=server_dir, env={**os.environ, "KVCOMPRESS_HOME": str(ROOT)},
                                capture_output=True, text=True, timeout=600)
         assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]

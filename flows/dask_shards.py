@@ -4,8 +4,9 @@ workers are not wanted, e.g. a Dask cluster that already exists.
 `dask` names the cluster: `local:N` starts a LocalCluster of N worker processes on this machine for
 the sweep's duration; `tcp://HOST:PORT` (or `tls://...`) joins a running scheduler whose workers run
 on any machine that reaches the Prefect API and the results store. Every Dask worker must run one
-thread (`dask worker ADDRESS --nthreads 1`): one shard at a time per process, so one MLX (one model,
-one Metal/CUDA stream) per process; MLX's graph evaluation is not made for concurrent threads.
+thread (`dask worker ADDRESS --nthreads 1`; checked before any shard is submitted): one shard at a
+time per process, so one MLX (one model, one Metal/CUDA stream) per process: two shards in one
+process would share both, and MLX does not promise that concurrent threads are safe.
 """
 
 from __future__ import annotations
@@ -46,12 +47,17 @@ def run_on_dask(dask: str, shards: tuple[Shard, ...], shard_args: dict, advance:
     """Submit every shard's `run-shard` task to the cluster, then wait for all of them (at most `timeout_s`).
 
     A failed shard (its task retries first, as inline) or one past the timeout leaves its runs unfinished
-    for the next rerun, as on Prefect workers; Dask itself reruns a shard whose worker process died."""
+    for the next rerun, as on Prefect workers (a shard whose worker process died is Dask's to reschedule)."""
     from prefect.futures import as_completed
 
-    from kvcompress_tasks.sweep import run_shard  # Prefect: not imported by the CLI's validation above
+    from kvcompress_tasks.sweep import run_shard  # imports Prefect: not at the top, which the CLI imports
 
     with task_runner(dask) as runner:
+        threaded = {address: w["nthreads"] for address, w in runner.client.scheduler_info()["workers"].items()
+                    if w["nthreads"] != 1}
+        if threaded:
+            raise ConfigError(f"dask: every worker must run one thread (dask worker {dask} --nthreads 1: one MLX per "
+                              f"process), got threads per worker {threaded}")
         futures = {runner.submit(run_shard, parameters={"shard": shard, **shard_args}): shard for shard in shards}
         try:
             for future in as_completed(list(futures), timeout=timeout_s):

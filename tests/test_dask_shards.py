@@ -88,3 +88,14 @@ def test_a_bad_dask_value_fails_before_any_work(prefect_server, tmp_path, kwargs
     with pytest.raises(ConfigError, match=message):
         sweep(grid=GRID, results=str(tmp_path / "results"), **kwargs)
     assert not (tmp_path / "results").exists()
+
+
+def test_workers_with_more_than_one_thread_are_refused_before_any_shard(prefect_server, tmp_path):
+    import distributed
+
+    from kvcompress_flows.sweep import sweep
+
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster:
+        with pytest.raises(ConfigError, match=r"dask: every worker must run one thread .*--nthreads 1"):
+            sweep(grid=GRID, results=str(tmp_path / "results"), dask=cluster.scheduler_address)
+    assert not list((tmp_path / "results").glob("runs/**/*.parquet"))

@@ -20,7 +20,7 @@ from s3_server import BUCKET
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = [sys.executable, "-m", "prefect"]
-DOC = (ROOT / "docs" / "many-machines.md").read_text()
+DOCS = [(ROOT / name).read_text() for name in ("README.md", "docs/many-machines.md")]
 POOL = "kvcompress-shards"
 # two shards (one per sample) of two runs each
 GRID = {"name": "machines", "decode_steps": 2, "datasets": [{"name": "passkey", "context_tokens": [256], "num_samples": 2}],
@@ -54,9 +54,9 @@ def shard_deployment(prefect_server):
 
 
 def start_worker(machine: Machine, name: str) -> None:
-    """The worker command of docs/many-machines.md, on `machine`, until the server lists it online."""
+    """The worker command of the README and docs/many-machines.md, on `machine`, until the server lists it online."""
     command = ["prefect", "worker", "start", "--pool", POOL, "--limit", "1"]
-    assert " ".join(command) in DOC
+    assert all(f".venv/bin/{' '.join(command)}" in doc for doc in DOCS)
     machine.start([sys.executable, "-m", *command, "--name", name], until=lambda: name in online_workers())
 
 
@@ -86,7 +86,7 @@ def test_two_machines_sharing_only_the_api_and_a_bucket_lose_nothing_to_a_killed
     server_dir.mkdir()
     (server_dir / "grid.yaml").write_text(json.dumps(GRID))
     sweep_cmd = [sys.executable, "-m", "kvcompress_flows.cli", "sweep", "grid.yaml", "--sweep-id", "machines",
-                 "--results", url, "--distribute"]
+                 "--results", url, "--distribute"]  # the README's `kvcompress sweep my-sweep.yaml --distribute --results`
     try:
         for machine in machines:
             start_worker(machine, machine.name)
@@ -111,7 +111,6 @@ def test_two_machines_sharing_only_the_api_and_a_bucket_lose_nothing_to_a_killed
         assert int(out.split("sweep machines: only ")[1].split(" ")[0]) < 4  # the killed shard's runs are missing
 
         # the surviving machine's shard ends on its own; then the dead machine comes back and the sweep reruns
-        survivor = next(m for m in machines if m is not doomed)
         with get_client(sync_client=True) as client:
             first_pass = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="machines-")))
         wait_final([str(r.id) for r in first_pass if str(r.id) != killed_run])

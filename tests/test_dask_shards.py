@@ -95,7 +95,8 @@ def test_workers_with_more_than_one_thread_are_refused_before_any_shard(prefect_
 
     from kvcompress_flows.sweep import sweep
 
-    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster:
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, protocol="tcp://",
+                                  dashboard_address=None) as cluster:
         with pytest.raises(ConfigError, match=r"dask: every worker must run one thread .*--nthreads 1"):
             sweep(grid=GRID, results=str(tmp_path / "results"), dask=cluster.scheduler_address)
     assert not list((tmp_path / "results").glob("runs/**/*.parquet"))

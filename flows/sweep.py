@@ -21,10 +21,10 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
+from kvcompress.errors import ConfigError
 from kvcompress.results import (check_root, configs_without_ok_run, default_root, finished_run_ids, redact,
                                 validate_sweep_id)
 from kvcompress.sweep import Shard, SweepSpec, load_spec
-from kvcompress.errors import ConfigError
 from kvcompress_flows.dask_shards import run_on_dask, validate_dask
 from kvcompress_tasks.datasets import prepare_dataset
 from kvcompress_tasks.regression import regression_report

@@ -14,7 +14,7 @@ measure"), with the arguments those tables were made with:
             on a CPU the C++ KIVI kernel, the batched eviction update and the BLAS
   memory    resident KV bytes per cache and prefill peaks per eviction method; eviction x quantization
             (bytes and KL against the full cache)
-  workers   a sweep with 1 and 2 Prefect shard workers on this machine
+  workers   a sweep inline, with 1 and 2 Prefect shard workers, and on 2 Dask processes, on this machine
 
 Without --gpu the CPU variant runs; --quick shrinks every size to a smoke run of seconds to a minute
 (`make benchmarks` runs every CPU suite so). --dry-run prints the commands only.

@@ -1,7 +1,8 @@
-"""Wall time of one distributed sweep with 1 vs 2 shard workers on this machine (one run each).
+"""Wall time of one sweep inline, with 1 and 2 Prefect shard workers, and on a 2-process local Dask
+cluster, on this machine (one run each).
 
 Starts its own Prefect server (temp PREFECT_HOME, 127.0.0.1), the work pools and deployments,
-then runs the same grid twice under different sweep ids and checks the results are identical.
+then runs the same grid four times under different sweep ids and checks the results are identical.
 Usage: python benchmarks/workers.py [num_samples]
 """
 
@@ -43,23 +44,31 @@ def main(num_samples: int = 6) -> None:
                             {"name": "streaming", "grid": {"budget": [0.5]}}]}
         results = tempfile.mkdtemp(prefix="kvc-bench-results-")
         wall = {}
+        start = time.perf_counter()
+        sweep(grid=grid, results=results, sweep_id="inline")
+        wall["inline"] = time.perf_counter() - start
         for n in (1, 2):
             workers = [subprocess.Popen([*PREFECT, "worker", "start", "--pool", "kvcompress-shards", "--limit", "1"],
                                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True) for _ in range(n)]
             start = time.perf_counter()
             sweep(grid=grid, results=results, sweep_id=f"workers-{n}", distribute=True)
-            wall[n] = time.perf_counter() - start
+            wall[f"{n} Prefect worker{'s' * (n > 1)}"] = time.perf_counter() - start
             for w in workers:
                 stop_process_group(w)
+        start = time.perf_counter()  # the cluster's start and stop included, as a user waits for them
+        sweep(grid=grid, results=results, sweep_id="dask-2", dask="local:2")
+        wall["Dask local:2"] = time.perf_counter() - start
         runs = ds.dataset(f"{results}/runs", partitioning="hive").to_table().to_pylist()
-        one = {r["run_id"]: (r["score"], r["prediction"], r["live_kv_bytes"]) for r in runs if r["sweep_id"] == "workers-1"}
-        two = {r["run_id"]: (r["score"], r["prediction"], r["live_kv_bytes"]) for r in runs if r["sweep_id"] == "workers-2"}
-        print(f"\ndistributed sweep: {num_samples} shards x 3 methods, niah 512 tokens, 8 decode steps, {os.cpu_count()} cores")
-        print("workers  wall_s  speedup")
-        for n, seconds in wall.items():
-            print(f"{n:>7}  {seconds:6.1f}  {wall[1] / seconds:6.2f}x")
-        print(f"identical results: {one == two} ({len(one)} runs each)")
+        by_sweep = {}
+        for r in runs:
+            by_sweep.setdefault(r["sweep_id"], {})[r["run_id"]] = (r["score"], r["prediction"], r["live_kv_bytes"])
+        print(f"\nsweep: {num_samples} shards x 3 methods, niah 512 tokens, 8 decode steps, {os.cpu_count()} cores")
+        print("engine               wall_s  speedup")
+        for engine, seconds in wall.items():
+            print(f"{engine:<19}  {seconds:6.1f}  {wall['inline'] / seconds:6.2f}x")
+        same = all(rows == by_sweep["inline"] for rows in by_sweep.values())
+        print(f"identical results: {same} ({len(by_sweep['inline'])} runs each)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from kvcompress.errors import ConfigError
 from kvcompress.methods import list_methods
 from kvcompress.results import check_root, default_root, quarantine, redact, scan, validate_sweep_id
 from kvcompress.sweep import SpeedPlan, SpeedSpec, grid_schema, load_spec
+from kvcompress_flows.dask_shards import validate_dask
 
 SCREEN_WIDTH = 120  # the one-screen report's width (kvcompress_reports.render.SCREEN_WIDTH)
 
@@ -103,12 +104,15 @@ def cmd_sweep(args) -> int:
                   f"sample {shard.sample_index}")
         print(json.dumps(plan.estimate()))
         return 0
+    validate_dask(args.dask, "--dask")
+    if args.distribute and args.dask:
+        raise ConfigError("--dask runs the shards on Dask, --distribute on Prefect workers: choose one")
     check_root(args.results)  # before the model loads: a bad root fails here, once
     with prefect_api(), progress_bar():
         from kvcompress_flows.sweep import sweep
 
         sweep(grid=spec, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
-              shard_timeout_s=args.shard_timeout)
+              shard_timeout_s=args.shard_timeout, dask=args.dask)
     print_screen(args.results, args.sweep_id or spec.name)
     return 0
 
@@ -255,8 +259,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="print the expanded grid and a cost estimate")
     s.add_argument("--distribute", action="store_true",
                    help="submit shards to the sweep-shard/shard deployment (needs a server and shard workers)")
+    s.add_argument("--dask", default=None, metavar="local:N|tcp://HOST:PORT",
+                   help="run the shards on a Dask cluster: N local worker processes, or a running scheduler")
     s.add_argument("--shard-timeout", type=float, default=6 * 3600,
-                   help="with --distribute: seconds to wait for the shards before failing (default 6 h)")
+                   help="with --distribute or --dask: seconds to wait for the shards before failing (default 6 h)")
     s.set_defaults(func=cmd_sweep)
 
     r = sub.add_parser("report", help="the answer on one screen (summary and Pareto front), or any report")

@@ -2,13 +2,15 @@
 
 Deployments (prefect.yaml): `sweep/default` on the embedded defaults, `sweep/nightly` on a
 schedule (each night its own sweep id, compared with the previous night). `kvcompress sweep`
-runs the same flow in-process. Shards run inline, one after the other, or with
-`distribute=True` as `sweep-shard/shard` flow runs that any number of workers split.
+runs the same flow in-process. Shards run inline, one after the other; with `distribute=True` as
+`sweep-shard/shard` flow runs that any number of Prefect workers split; or with `dask=...` as tasks on
+a Dask cluster (flows/dask_shards.py). docs/many-machines.md says when to use which.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -19,9 +21,11 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
+from kvcompress.errors import ConfigError
 from kvcompress.results import (check_root, configs_without_ok_run, default_root, finished_run_ids, redact,
                                 validate_sweep_id)
 from kvcompress.sweep import Shard, SweepSpec, load_spec
+from kvcompress_flows.dask_shards import run_on_dask, validate_dask
 from kvcompress_tasks.datasets import prepare_dataset
 from kvcompress_tasks.regression import regression_report
 from kvcompress_tasks.report import artifact_key, publish_artifacts, report
@@ -63,18 +67,26 @@ def sweep(
     distribute: bool = False,
     nightly: bool = False,
     shard_timeout_s: float = 6 * 3600,
+    dask: str | None = None,
 ) -> list[dict]:
     """Run every cell of `grid` (a built-in grid name, a YAML path, a mapping, or a parsed spec, as
     `kvcompress sweep` passes it) into `results`.
 
     Reruns with the same sweep id (default: the grid's name) skip finished runs. `nightly` names
     the sweep `<grid>-<UTC time>` and reports regressions against the previous such sweep.
-    Returns the summary report rows of this sweep.
+    `dask` (`local:N` or a scheduler's `tcp://HOST:PORT`) runs the shards on a Dask cluster instead of
+    inline; `shard_timeout_s` bounds the wait for shards on workers or Dask. Returns the summary report rows of this sweep.
     """
     logger = get_run_logger()
     results = results or default_root()
+    if "://" not in results:  # shards may run elsewhere (a worker's own working directory): the same place
+        results = os.path.abspath(results)
     if sweep_id is not None:
         validate_sweep_id(sweep_id)
+    validate_dask(dask)
+    if distribute and dask is not None:
+        raise ConfigError(f"dask: runs the shards on Dask, distribute=True on Prefect workers: choose one, "
+                          f"got distribute=True and dask={dask!r}")
     plan = plan_sweep(load_spec(grid))  # raises before any work if any cell is invalid
     check_root(results)  # an unwritable or unknown results root fails once, before any model load
     if nightly:
@@ -94,6 +106,8 @@ def sweep(
                       results=results, run_timeout_s=plan.run_timeout_s)
     if distribute:
         _run_on_workers(shards, shard_args, progress, shard_timeout_s)
+    elif dask is not None:
+        run_on_dask(dask, shards, shard_args, progress.advance, shard_timeout_s)
     else:
         for shard in shards:
             counts = run_shard(shard, **shard_args)

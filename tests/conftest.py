@@ -54,7 +54,7 @@ def prefect_server():
 # own order (by the number of tests a file has), so a worker that frees takes the longest file left:
 # the two workers end close together. Only the order depends on these figures, never a result.
 FILE_SECONDS = {
-    "test_flow.py": 730, "test_runner.py": 460, "test_kernel_sources.py": 300, "test_cli.py": 280,
+    "test_flow.py": 730, "test_runner.py": 460, "test_shard_workers.py": 280, "test_dask_shards.py": 170, "test_kernel_sources.py": 300, "test_cli.py": 280,
     "test_reports.py": 140, "test_readme.py": 125, "test_sweep.py": 55, "test_install.py": 52,
     "test_kivi.py": 51, "test_reference_selection.py": 45, "test_model.py": 36, "test_regression.py": 27, "test_kivi_attention_cpu.py": 25,
     "test_benchmarks.py": 20, "test_architectures.py": 40, "test_composed.py": 30,

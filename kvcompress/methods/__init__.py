@@ -17,6 +17,7 @@ from .keydiff import KeyDiff
 from .keyformer import Keyformer
 from .kivi import Kivi
 from .knorm import KNorm
+from .kvzip import KVzip
 from .mlx_quant import MlxQuant
 from .pyramidkv import PyramidKV
 from .random_floor import Random
@@ -28,7 +29,7 @@ from .turboquant import TurboQuant
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
     for cls in (Full, MlxQuant, Kivi, TurboQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV, TOVA, KNorm,
-                Random, KeyDiff, ExpectedAttention, CriticalKV)
+                Random, KeyDiff, ExpectedAttention, CriticalKV, KVzip)
 }
 
 

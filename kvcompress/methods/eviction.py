@@ -549,7 +549,9 @@ class EvictionCache(CompressedCache):
         self._set(keys, values, scores, positions)
         if scorer.decode != "fixed" and queries is not None:
             self._score_prompt_queries(queries.reshape(R, queries.shape[1] // H, T, D), keys, self.scale)
-        if not scorer.reconstructs:  # KVzip selects after its reconstruction pass (end_reconstruction)
+        if scorer.reconstructs:  # KVzip selects after its reconstruction pass (end_reconstruction)
+            self._set_offset()
+        else:
             self._complete_prompt()
 
     def end_reconstruction(self):

@@ -16,9 +16,10 @@ AdaKV's compression without the safeguard; KVzip's own code thresholds all heads
 once). Rows are then of different lengths, padded to the layer's longest (resident, counted).
 `headwise=False` keeps `budget` tokens in every head. A padded layout holds the longest row in
 every head: uncapped, KVzip's head-wise choice held 0.80 of the full cache at budget 0.5 on the
-embedded model (heads of 341, 208 and 216 tokens), a third above its budget. So by default no
-head keeps more than `max_head_share` = 1.05 x the per-head budget, and resident bytes stay within
-5% of the budget; `max_head_share=None` is the paper's uncapped allocation.
+embedded model (heads of 341, 208 and 216 tokens), 60% above its budget. So by default no head
+keeps more than `max_head_share` = 1.03 x the per-head budget: with the int32 position each slot
+also holds (2-3% of a bfloat16 or float32 key and value at 64 dims), resident bytes stay within 5%
+of the budget; `max_head_share=None` is the paper's uncapped allocation.
 
 `kvzip_plus`: kvpress's KVzip+ normalisation, each query head's probability times the size of the
 key's contribution to the output, ||W_o^h v_j||_2 (W_o^h: that head's columns of the layer's output
@@ -53,7 +54,7 @@ class KVzip(Eviction):
     chunk_size: context tokens reconstructed per forward pass (kvpress 2048; KVzip's code 2000).
     postfix: tokens of the previous chunk quoted in a later chunk's prompt (8, both).
     headwise: one top-k across a layer's KV heads (True, the paper) or `budget` per head.
-    max_head_share: with headwise, the most a head keeps, as a multiple of the per-head budget (1.05:
+    max_head_share: with headwise, the most a head keeps, as a multiple of the per-head budget (1.03:
     the padded layout within 5% of the budget; None: uncapped, the paper).
     kvzip_plus: weight each query head's attention by ||W_o^h v||_2 (kvpress's KVzip+; False).
     """
@@ -66,7 +67,7 @@ class KVzip(Eviction):
     chunk_size: int = 2048
     postfix: int = 8
     headwise: bool = True
-    max_head_share: float | None = 1.05
+    max_head_share: float | None = 1.03
     kvzip_plus: bool = False
 
     def __post_init__(self):

@@ -12,7 +12,9 @@ How a method scores, as kvpress's `score()`, is one of four decode modes:
 - "grow" (SnapKV, PyramidKV, AdaKV, KeyDiff, Expected Attention, CriticalKV): the prompt is scored
   once (`score_prompt`, from its keys and values and what `summarize_queries` kept of its queries:
   the last `window()` by default), compressed, and decoded tokens are appended without eviction
-  (as the papers).
+  (as the papers). KVzip scores the prompt by a second pass of the model over it (`reconstructs`:
+  kvcompress/reconstruct.py drives it; the cache attends the pass's tokens, scores with their
+  queries, `score_chunk`, holds none of them, then selects).
 
 Life of a cache. Prefill keeps every token (full causal attention, however mlx-lm chunks the
 prompt); "accumulate" methods score each chunk as it comes, the others summarize its queries

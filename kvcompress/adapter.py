@@ -72,6 +72,9 @@ class OutputProjection:
     value_dim: int
     dtype: mx.Dtype
 
+    def __deepcopy__(self, memo) -> "OutputProjection":
+        return self  # the model's own module, shared (copying a cache must not copy weights; MLX dtypes cannot be)
+
     def per_head(self) -> mx.array:
         """W_o^h of every query head, [n_heads, value_dim, hidden] float32 (x_h -> x_h W_o^h): read by
         applying the module to the identity, minus its bias, so a quantized module works as well."""

@@ -11,7 +11,10 @@ from .methods import method_config
 def make_cache(model, method: str = "full", max_tokens: int | None = None, **params: Any) -> list:
     """An mlx-lm prompt cache for `model` compressed by `method` (see `kvcompress.list_methods()`).
 
-    Usable as `mlx_lm.stream_generate(model, tokenizer, prompt, prompt_cache=make_cache(...))`.
+    Usable as `mlx_lm.stream_generate(model, tokenizer, prompt, prompt_cache=make_cache(...))`, except
+    for a method that scores the prompt by reconstructing it (`kvzip`), which a generate call cannot
+    run: prefill and compress the prompt with `kvcompress.compress_prompt(model, tokenizer, cache,
+    prompt)`, then generate from the cache with what follows the prompt.
     Installs the attention hook so caches that attend themselves (Keyformer, KIVI) are called.
     `max_tokens`: the tokens you will generate, for methods that schedule over them (Keyformer's tau).
     """
@@ -20,6 +23,16 @@ def make_cache(model, method: str = "full", max_tokens: int | None = None, **par
     if max_tokens is not None:
         config = config.for_run(max_tokens)
     return config.make_cache(model)
+
+
+def compress_prompt(model, tokenizer, cache: list, prompt: list[int]) -> list:
+    """Prefill `prompt` (token ids) into `cache` (from `make_cache`) and compress it, running KVzip's
+    reconstruction pass where the method needs one (kvcompress/reconstruct.py); then generate from
+    `cache` with the tokens that follow the prompt. Returns `cache`."""
+    from .reconstruct import compress_prompt as _compress
+
+    attention.install()
+    return _compress(model, tokenizer, cache, prompt)
 
 
 def load_prompt_cache(path: str, model=None, return_metadata: bool = False):

@@ -55,6 +55,7 @@ from .evidence import layer_rows as evidence_rows
 from .memory import budget_tokens, live_kv_bytes, tokens_kept
 from .methods.base import Method
 from .metrics import step_metrics
+from .reconstruct import ReconstructionPrompt, reconstruct, reconstruction_prompt
 from .results import run_id
 from .kernels import dispatch
 
@@ -219,19 +220,25 @@ def release_buffers() -> None:
     mx.clear_cache()
 
 
-def derive_cache(model, method: Method, prefilled: list) -> list:
+def derive_cache(model, method: Method, prefilled: list, tokens: list[int] | None = None,
+                 reconstruction: ReconstructionPrompt | None = None) -> list:
     """Build `method`'s cache and compress a finished full prefill (caches holding the prompt) into it."""
     queries = [getattr(c, "prompt_queries", None) for c in prefilled] if method.needs_queries else None
-    return compress_kv(model, method, [snapshot(c) for c in prefilled], queries)
+    return compress_kv(model, method, [snapshot(c) for c in prefilled], queries, tokens, reconstruction)
 
 
-def compress_kv(model, method: Method, kv: list, queries: list | None) -> list:
+def compress_kv(model, method: Method, kv: list, queries: list | None, tokens: list[int] | None = None,
+                reconstruction: ReconstructionPrompt | None = None) -> list:
     """Build `method`'s cache and compress finished full-attention keys/values into it.
 
     kv: per layer a `snapshot` ((keys, values) [B, H_kv, T, D] of a global layer, or a copy of the
     model's own cache of another kind, which the method keeps as it is) or None (nothing yet);
-    queries: per layer [B, H_q, T, D] or None.
+    queries: per layer [B, H_q, T, D] or None. A method that reconstructs (KVzip) also needs the
+    held prompt's `tokens` and the tokenizer's `reconstruction` request: its pass runs here, so the
+    runner's prefill_s counts it.
     """
+    if method.reconstructs and (tokens is None or reconstruction is None):
+        raise ValueError(f"{method.name} reconstructs the prompt: pass its tokens and reconstruction prompt")
     caches = method.make_cache(model)
     for i, (cache, held) in enumerate(zip(caches, kv)):
         if held is None:  # nothing to compress (an empty context part)
@@ -244,6 +251,8 @@ def compress_kv(model, method: Method, kv: list, queries: list | None) -> list:
             cache.from_prefill(keys, values, queries[i] if method.needs_queries else None)
         else:  # an mlx-lm cache: the keys and values go in as one update
             cache.update_and_fetch(keys, values)
+    if method.reconstructs and any(held is not None for held in kv):
+        reconstruct(model, caches, tokens, reconstruction)
     mx.eval([c.state for c in caches if not c.empty()])
     release_buffers()  # the compression's transients (scores, gathers) before the method decodes
     return caches
@@ -308,6 +317,8 @@ class Reference:
     full_kv_bytes: int  # the full cache after the reference answer
     budget: int  # the task's answer budget
     cut: bool  # decode_steps stopped the reference before EOS and the budget
+    # the tokenizer's "repeat the context" request, where a method reconstructs the prompt (KVzip)
+    reconstruction: ReconstructionPrompt | None = None
 
     @property
     def steps(self) -> int:
@@ -377,8 +388,9 @@ def reference(model, tokenizer, sample: dict, methods: list[Method], decode_step
     full_bytes = live_kv_bytes(caches)
     restore(caches, prompt_kv)  # back to the prompt alone
     context_kv, context_logits = context if context is not None else (None, None)
+    reconstruction = reconstruction_prompt(tokenizer) if any(m.reconstructs for m in methods) else None
     return Reference(prompt.tokens, prompt.question_start, prompt.evidence, continuation, caches, context_kv,
-                     context_logits, prefill_s, tokens, logits, full_bytes, budget, cut)
+                     context_logits, prefill_s, tokens, logits, full_bytes, budget, cut, reconstruction)
 
 
 def run_sample(
@@ -461,7 +473,7 @@ def compress_context(model, method: Method, ref: Reference) -> list:
     queries = None
     if method.needs_queries:
         queries = [None if q is None else q[:, :, :T] for q in (getattr(c, "prompt_queries", None) for c in ref.prefilled)]
-    return compress_kv(model, method, ref.context_kv, queries)
+    return compress_kv(model, method, ref.context_kv, queries, ref.prompt[:T], ref.reconstruction)
 
 
 def compress(model, method: Method, ref: Reference, protocol: str, base: list | None = None) -> tuple[list, mx.array]:
@@ -474,7 +486,7 @@ def compress(model, method: Method, ref: Reference, protocol: str, base: list | 
     """
     layers = ref.prefilled
     if protocol == "query_aware":
-        return derive_cache(model, method, layers), ref.logits[0]
+        return derive_cache(model, method, layers, ref.prompt, ref.reconstruction), ref.logits[0]
     caches = copy.deepcopy(base) if base is not None else compress_context(model, method, ref)
     question = ref.prompt[ref.question_start:]
     return caches, feed(model, question, caches) if question else ref.context_logits

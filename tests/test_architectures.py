@@ -14,6 +14,9 @@ one call, the last alone) and 8 greedy tokens, and compares with mlx-lm's own pr
 - lossy settings (half budgets, 2-bit KIVI, 3- and 2.5-bit TurboQuant, QJL with a 32-token buffer)
   run and give finite log-probabilities;
 - a cell that cannot be right raises ConfigError from `make_cache`, before any token is fed.
+KVzip reconstructs the prompt with the model before it compresses (kvcompress/reconstruct.py): its
+cells run that pass after the prompt, over every layer kind (windows and recurrent state see it
+through copies and must come out unchanged: the lossless cells check it).
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ from kvcompress.errors import ConfigError
 from kvcompress.kernels.evict import rotate_pairs
 from kvcompress.memory import live_kv_bytes
 from kvcompress.methods.eviction import rope_rotations
+from kvcompress.reconstruct import ReconstructionPrompt, reconstruct
 
 PROMPT, ANSWER = 40, 8
 LOSSLESS_BUDGET = 64  # > PROMPT + ANSWER: nothing is ever evicted
 EVICTION = ("streaming", "h2o", "keyformer", "snapkv", "pyramidkv", "adakv", "tova", "knorm", "random", "keydiff",
-            "expected_attention", "criticalkv", "duoattention", "decoding")
+            "expected_attention", "criticalkv", "duoattention", "decoding", "kvzip")
 # settings sized for the 40-token prompt (duoattention's streaming heads: 128 + 256 tokens by default)
 SMALL = {"duoattention": {"n_sink": 4, "recent": 8}}
+# KVzip's "repeat the context" request, as ids of the tiny models' vocabulary (they have no tokenizer)
+REQUEST = ReconstructionPrompt(first=(7, 8, 9, 10), later=(7, 8, 11), suffix=(12, 13))
 
 # Where a cell must refuse, and the reason make_cache's ConfigError gives (every other cell must run).
 ATTENTION_REFUSED = {  # no kvcompress cache can serve these models' attention layers
@@ -80,6 +86,7 @@ def _decode(model, caches, prompt: list[int], steps: int = ANSWER):
     tokens, logprobs = [], []
     logits = model(mx.array(prompt[:-1])[None], cache=caches)
     mx.eval(logits)
+    reconstruct(model, caches, prompt[:-1], REQUEST)  # KVzip's pass; nothing for other caches
     token = prompt[-1]
     for _ in range(steps):
         logits = model(mx.array([[token]]), cache=caches)[0, -1].astype(mx.float32)
@@ -155,10 +162,11 @@ def test_lossy_settings_run(name, models):
                            ("criticalkv", {"budget": 0.5, "scorer": "expected_attention"}),
                            ("duoattention", {"budget": 0.5, "n_sink": 4, "recent": 8}),
                            ("decoding", {"budget": 0.5, "scorer": "keydiff", "compression_interval": 3, "target_size": 2}),
+                           ("kvzip", {"budget": 0.5, "chunk_size": 16}), ("kvzip", {"budget": 0.5, "kvzip_plus": True}),
                            ("kivi", {"bits": 2, "group_size": 32, "residual": 32}), ("turboquant", {"bits": 3}),
                            ("turboquant", {"bits": 2.5}), ("qjl", {"buffer": 32}),
                            ("kvquant", {"bits": 3})):
-        if reason := expected_refusal(name, method):
+        if reason := expected_refusal(name, method) or (params.get("kvzip_plus") and OUTPUT_PROJECTION_REFUSED.get(name)):
             with pytest.raises(ConfigError, match=reason):
                 make_cache(model, method, **params)
             continue

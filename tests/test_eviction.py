@@ -22,8 +22,12 @@ from kvcompress.methods.pyramidkv import layer_shares
 from kvcompress.runner import derive_cache, prefill
 
 BASE = 20000.0  # an unusual RoPE base: a hard-coded 10000 anywhere would break these tests
-# duoattention holds two caches per layer (a full one, a StreamingLLM one): tests/test_duoattention.py
-EVICTION = sorted(name for name, cls in REGISTRY.items() if issubclass(cls, Eviction) and name != "duoattention")
+# duoattention holds two caches per layer (a full one, a StreamingLLM one): tests/test_duoattention.py;
+# KVzip selects only after a pass of the model over the prompt (kvcompress/reconstruct.py), which
+# these cache-level drives and generate calls do not run: tests/test_kvzip.py covers it
+RECONSTRUCTING = ("kvzip",)
+EVICTION = sorted(name for name, cls in REGISTRY.items()
+                  if issubclass(cls, Eviction) and name != "duoattention" and name not in RECONSTRUCTING)
 
 
 def small(name: str, budget, **params) -> Eviction:
@@ -529,7 +533,7 @@ def _decoded(model, cfg):
     return caches, mx.argmax(logits[:, -1:], axis=-1)
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(set(REGISTRY) - set(RECONSTRUCTING)))
 def test_every_cache_round_trips_through_mlx_lm_save_and_load(tiny_llama, name, tmp_path):
     model = tiny_llama
     params = {"full": {}, "mlx-quant": dict(group_size=32), "kivi": dict(residual=32), "turboquant": {},

@@ -143,7 +143,7 @@ def test_query_agnostic_compresses_the_context_before_the_question(embedded):
 
 
 EVICTION = ["streaming", "h2o", "keyformer", "tova", "snapkv", "pyramidkv", "adakv", "knorm", "random", "keydiff",
-            "expected_attention", "criticalkv"]
+            "expected_attention", "criticalkv", "kvzip"]
 
 
 @pytest.mark.filterwarnings("ignore:decode_steps=4 cut the reference answer")

@@ -21,6 +21,7 @@ from .keyformer import Keyformer
 from .kivi import Kivi
 from .kvquant import KVQuant
 from .knorm import KNorm
+from .kvzip import KVzip
 from .mlx_quant import MlxQuant
 from .pyramidkv import PyramidKV
 from .qjl import Qjl
@@ -33,7 +34,7 @@ from .turboquant import TurboQuant
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
     for cls in (Full, MlxQuant, Kivi, TurboQuant, Qjl, KVQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV,
-                TOVA, KNorm, Random, KeyDiff, ExpectedAttention, CriticalKV, DuoAttention, Decoding)
+                TOVA, KNorm, Random, KeyDiff, ExpectedAttention, CriticalKV, DuoAttention, Decoding, KVzip)
 }
 
 

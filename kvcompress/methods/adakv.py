@@ -43,18 +43,29 @@ class AdaKV(Delegating):
         super().__post_init__()
 
     def select(self, cache, ranked, capacity):
-        R, n = ranked.shape
-        B = cache.batch
         n_safe = int(capacity * self.safeguard)
         if n_safe:  # each head's own best first: lifted above every score the layer-wide top-k sees
             own = mx.argpartition(-ranked, kth=n_safe - 1, axis=1)[:, :n_safe]
             ranked = mx.put_along_axis(ranked, own, mx.array(mx.inf, ranked.dtype), axis=1)
-        flat = ranked.reshape(B, -1)  # [B, H * n]: one ranking across the layer's heads
-        total = capacity * (R // B)
-        chosen = mx.argpartition(-flat, kth=total - 1, axis=1)[:, :total]
-        keep = mx.put_along_axis(mx.zeros(flat.shape, mx.bool_), chosen, mx.array(True), axis=1).reshape(R, n)
-        counts = keep.sum(axis=1)
-        longest = counts.max().item()
-        slot = mx.arange(n)[None]
-        order = mx.argsort(mx.where(keep, slot, slot + n), axis=1)[:, :longest]  # kept slots first, in order
-        return order, slot[:, :longest] < counts[:, None]
+        return headwise_select(cache, ranked, capacity)
+
+
+def headwise_select(cache, ranked: mx.array, capacity: int, most: int | None = None) -> tuple[mx.array, mx.array]:
+    """One top-k of `capacity` x heads over a layer's ranked [R, n] (per batch element), Alg. 1:
+    slots to keep [R, longest] in slot order, and which are real [R, longest] (the rest pad).
+    `most` (>= capacity): no head keeps more than its own best `most` (bounds the padded layout)."""
+    R, n = ranked.shape
+    B = cache.batch
+    if most is not None and most < n:  # a head's tokens below its own top `most` cannot be chosen
+        own = mx.argpartition(-ranked, kth=most - 1, axis=1)[:, :most]
+        eligible = mx.put_along_axis(mx.zeros(ranked.shape, mx.bool_), own, mx.array(True), axis=1)
+        ranked = mx.where(eligible, ranked, -mx.inf)
+    flat = ranked.reshape(B, -1)  # [B, H * n]: one ranking across the layer's heads
+    total = capacity * (R // B)
+    chosen = mx.argpartition(-flat, kth=total - 1, axis=1)[:, :total]
+    keep = mx.put_along_axis(mx.zeros(flat.shape, mx.bool_), chosen, mx.array(True), axis=1).reshape(R, n)
+    counts = keep.sum(axis=1)
+    longest = counts.max().item()
+    slot = mx.arange(n)[None]
+    order = mx.argsort(mx.where(keep, slot, slot + n), axis=1)[:, :longest]  # kept slots first, in order
+    return order, slot[:, :longest] < counts[:, None]

@@ -46,6 +46,9 @@ class Method:
     name: ClassVar[str] = ""
     # Set by methods whose `from_prefill` needs the prompt's post-RoPE queries.
     needs_queries: ClassVar[bool] = False
+    # Set by methods that score the prompt by a second forward pass over it (KVzip's reconstruction):
+    # the runner and `kvcompress.compress_prompt` run it (kvcompress/reconstruct.py) before selection.
+    reconstructs: ClassVar[bool] = False
     # Bumped when a fix changes what this method computes for the same config: the run config
     # (hence the run id) carries it when nonzero, so a resumed sweep recomputes the method's old
     # runs instead of skipping them (ids of methods never bumped stay as they were).

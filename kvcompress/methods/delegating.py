@@ -14,7 +14,8 @@ from ..errors import check
 from .eviction import Eviction
 
 # every eviction method that scores the prompt itself (not one that delegates)
-SCORERS = ("snapkv", "h2o", "tova", "knorm", "keyformer", "streaming", "random", "keydiff", "expected_attention")
+SCORERS = ("snapkv", "h2o", "tova", "knorm", "keyformer", "streaming", "random", "keydiff", "expected_attention",
+           "kvzip")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class Delegating(Eviction):
     @property
     def needs_queries(self) -> bool:
         return self.scoring().needs_queries
+
+    @property
+    def reconstructs(self) -> bool:
+        return self.scoring().reconstructs
 
     def scoring(self) -> Eviction:
         from . import REGISTRY  # the registry imports this module

@@ -12,7 +12,9 @@ How a method scores, as kvpress's `score()`, is one of four decode modes:
 - "grow" (SnapKV, PyramidKV, AdaKV, KeyDiff, Expected Attention, CriticalKV): the prompt is scored
   once (`score_prompt`, from its keys and values and what `summarize_queries` kept of its queries:
   the last `window()` by default), compressed, and decoded tokens are appended without eviction
-  (as the papers).
+  (as the papers). KVzip scores the prompt by a second pass of the model over it (`reconstructs`:
+  kvcompress/reconstruct.py drives it; the cache attends the pass's tokens, scores with their
+  queries, `score_chunk`, holds none of them, then selects).
 
 Life of a cache. Prefill keeps every token (full causal attention, however mlx-lm chunks the
 prompt); "accumulate" methods score each chunk as it comes, the others summarize its queries
@@ -336,6 +338,10 @@ class EvictionCache(CompressedCache):
         self.rope_step = None  # (cos, sin) of one RoPE position, for compact-mode eviction
         self._unscored = 0  # tokens appended and not yet seen by attention()
         self._new_keys = None  # [R, S, D] the keys of those tokens
+        # KVzip's reconstruction pass (kvcompress/reconstruct.py): the context slice (start, end) the
+        # passing queries score, while one runs; and whether one has run over the whole prompt
+        self.chunk = None
+        self.reconstructed = False
 
     # -- the slots in use (views of the buffers: no copy) -------------------------------------
 
@@ -366,6 +372,10 @@ class EvictionCache(CompressedCache):
             raise RuntimeError("EvictionCache needs kvcompress's attention hook: call kvcompress.attention.install()")
         B, H, S, D = keys.shape
         R = B * H
+        if self.chunk is not None:  # a reconstruction pass: its tokens are attended and scored, never held
+            self._unscored, self._new_keys = S, keys.reshape(R, S, D)
+            held_keys, held_values = self.held_kv()
+            return mx.concatenate([held_keys, keys], axis=2), mx.concatenate([held_values, values], axis=2)
         self.batch = B
         keys, values = keys.reshape(R, S, D), values.reshape(R, S, D)
         if S == 1 and isinstance(self.free, int):  # a decode step into the ring's slot (see _ring_slot)
@@ -409,6 +419,9 @@ class EvictionCache(CompressedCache):
         if self.prompt_len is None:  # the prompt: every token so far is kept, in order
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                        mask="causal" if S > 1 else None, sinks=sinks)
+            if self.chunk is not None:  # the reconstruction pass (KVzip): scores only, nothing held
+                self.scorer.score_chunk(self, q, new_keys, *self.chunk)
+                return out
             self._score_prompt_queries(q, new_keys, scale)
             if S == 1:
                 self._complete_prompt()
@@ -578,6 +591,15 @@ class EvictionCache(CompressedCache):
         self._set(keys, values, scores, positions)
         if scorer.decode != "fixed" and queries is not None:
             self._score_prompt_queries(queries.reshape(R, queries.shape[1] // H, T, D), keys, self.scale)
+        if scorer.reconstructs:  # KVzip selects after its reconstruction pass (end_reconstruction)
+            self._set_offset()
+        else:
+            self._complete_prompt()
+
+    def end_reconstruction(self):
+        """After KVzip's reconstruction pass over the whole held prompt (kvcompress/reconstruct.py):
+        select by its scores."""
+        self.reconstructed = True
         self._complete_prompt()
 
     # -- internals ------------------------------------------------------------------------------
@@ -836,7 +858,7 @@ class EvictionCache(CompressedCache):
             setattr(self, field, value)
         if not hasattr(self, "rope"):  # restored by from_state: no model here
             self.rope, self.query_summary, self._unscored, self._new_keys = None, None, 0, None
-            self.out_proj = None
+            self.out_proj, self.chunk, self.reconstructed = None, None, False
         if self.free is not None:  # a file from before the free slot's score was kept at 0 may hold another
             self._zero_free_score()
 

@@ -82,11 +82,6 @@ class OutputProjection:
         rows = self.module(mx.eye(width, dtype=self.dtype)) - self.module(mx.zeros((1, width), self.dtype))
         return rows.astype(mx.float32).reshape(self.n_heads, self.value_dim, -1)
 
-    def __deepcopy__(self, memo) -> "OutputProjection":
-        # the model's own module, shared: a copied cache (the runner copies a compressed context for
-        # each use) must not copy the layer's weights (nor can it: an mx.Dtype does not pickle)
-        return self
-
 
 @dataclass(frozen=True)
 class ModelLayout:

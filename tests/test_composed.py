@@ -280,3 +280,11 @@ def test_a_run_writes_rows_that_name_both(embedded):
     assert composed.run["live_kv_bytes"] < plain.run["live_kv_bytes"]
     assert all(s["live_kv_bytes"] > 0 and s["tokens_kept"] == plain.steps[i]["tokens_kept"]
                for i, s in enumerate(composed.steps))
+
+
+@pytest.mark.parametrize("name, params", [("kvzip", {}), ("adakv", {"scorer": "kvzip"})])
+def test_a_method_that_selects_after_a_reconstruction_pass_is_refused(name, params):
+    """kvcompress.compress_prompt runs KVzip's pass over eviction caches, not over composed ones: refused
+    before any work instead of failing at the first token."""
+    with pytest.raises(ConfigError, match=rf"{name}\.quantize: kvzip selects after a reconstruction pass"):
+        method_config(name, quantize=KIVI4, **params)

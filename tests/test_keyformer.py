@@ -54,7 +54,7 @@ def test_invalid_config_names_the_field(params, field):
 
 
 def test_h2o_has_its_own_knobs_and_columns():
-    assert H2O().params() == {"budget": 0.2, "recent": 0.5, "layers": "global"}  # the paper: 20%, heavy = recent
+    assert H2O().params() == {"budget": 0.2, "recent": 0.5, "layers": "global", "quantize": None}  # the paper: 20%, heavy = recent
     assert H2O().grid_columns() == {"budget": 0.2, "bits": None, "tau_init": None, "tau_end": None}
     assert H2O(budget=0.5).label() == "h2o budget=0.5"
     assert H2O().resolve(1000) == (200, 100)

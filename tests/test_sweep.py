@@ -46,7 +46,7 @@ def test_every_invalid_cell_is_reported_at_once():
         "decode_steps": 0,
         "datasets": [{"name": "passkey", "context_tokens": [256], "params": {"depth": 3.0}}],
         "methods": [{"name": "mlx-quant", "grid": {"bits": [4, 7]}}, {"name": "streaming", "grid": {"budget": [-1]}},
-                    {"name": "kvzip"}],
+                    {"name": "no_such_method"}],
     }
     with pytest.raises(SweepError) as info:
         load_spec(bad).shards()

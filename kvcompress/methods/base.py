@@ -169,6 +169,9 @@ class CompressedCache(_BaseCache):
     def dtype(self, value: mx.Dtype) -> None:
         self._dtype_name = str(value).rsplit(".", 1)[-1]
 
+    def trim(self, n: int) -> int:
+        return 0  # nothing to give back (mlx-lm's `is_trimmable` is False unless a cache says otherwise)
+
     def from_prefill(self, keys: mx.array, values: mx.array, queries: mx.array | None) -> None:
         # keys, values: [B, H_kv, T, D] post-RoPE; queries: [B, H_q, T, D] or None
         self.update_and_fetch(keys, values)

@@ -59,7 +59,8 @@ def prompt_once_methods() -> list[str]:
     """The eviction methods that compress the prompt once and never evict while decoding."""
     from . import REGISTRY
 
-    return sorted(name for name, cls in REGISTRY.items() if issubclass(cls, Eviction) and not cls().evicts_while_decoding)
+    return sorted(name for name, cls in REGISTRY.items()
+                  if issubclass(cls, Eviction) and not cls().evicts_while_decoding and not cls().scoring().reconstructs)
 
 
 def quantizer_config(owner: Eviction, value: Any) -> Method | None:
@@ -93,6 +94,10 @@ def quantizer_config(owner: Eviction, value: Any) -> Method | None:
             f"{field}: {owner.name} evicts while decoding, and a token cannot be evicted from quantized storage "
             f"exactly (KIVI packs keys in groups of tokens); expected None, or a method that compresses the prompt "
             f"once: one of {prompt_once_methods()} (as configured by default)")
+    if owner.scoring().reconstructs:  # the pass runs in kvcompress.compress_prompt over EvictionCaches only
+        raise ConfigError(
+            f"{field}: {owner.scoring().name} selects after a reconstruction pass over the prompt, which a "
+            f"composed cache does not run (not built yet); expected None, or one of {prompt_once_methods()}")
     return config
 
 
@@ -201,12 +206,6 @@ class ComposedCache(CompressedCache):
 
     def empty(self):
         return self.eviction is not None and self.eviction.empty()
-
-    def is_trimmable(self):
-        return False
-
-    def trim(self, n):
-        return 0
 
     # -- what it holds --------------------------------------------------------------------------
 

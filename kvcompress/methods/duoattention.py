@@ -318,12 +318,6 @@ class DuoAttentionCache(CompressedCache):
     def empty(self):
         return self.offset == 0
 
-    def is_trimmable(self):
-        return False
-
-    def trim(self, n):
-        return 0
-
     # -- what it holds ---------------------------------------------------------------------------
 
     @property

@@ -531,12 +531,6 @@ class EvictionCache(CompressedCache):
     def empty(self):
         return self._keys is None
 
-    def is_trimmable(self):
-        return False
-
-    def trim(self, n):
-        return 0
-
     @property
     def tokens_kept(self) -> int:
         """Tokens held per row: padding slots count (they are resident); the free slot an exact

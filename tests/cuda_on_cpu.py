@@ -209,6 +209,10 @@ template <class F> void launch(int blocks_x, int blocks_y, int threads, F body) 
         }
     }
 }
+"""
+
+# the arrays a driver reads and writes, raw (numpy's tofile / fromfile); shared with metal_on_cpu.py
+FILE_IO = r"""
 template <typename X> std::vector<X> load(const char* path) {
     FILE* f = std::fopen(path, "rb");
     std::fseek(f, 0, SEEK_END);
@@ -262,7 +266,7 @@ def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inpu
         calls.append(f"    launch({blocks_x}, {blocks_y}, {threads}, [&] {{ {call}({pointers}); }});")
     saves = [f'    save("{name}.out", {name});' for name in outputs]
     main = "int main() {\n" + "\n".join(arrays + calls + saves) + "\n    return 0;\n}\n"
-    binary = build(DECLARATIONS + RUNTIME, kernels + main, workdir)
+    binary = build(DECLARATIONS + RUNTIME + FILE_IO, kernels + main, workdir)
     subprocess.run([str(binary)], check=True, timeout=300, cwd=workdir)
     return {name: np.fromfile(workdir / f"{name}.out", dtype=dtype) for name, (count, dtype) in outputs.items()}
 
@@ -270,7 +274,7 @@ def run(kernels: str, launches: list[tuple[str, int, int, int, list[str]]], inpu
 _binaries: dict[str, Path] = {}  # program text -> its build (files are read from the working directory)
 
 BUILD_FLAGS = ["-std=c++20", "-O1", "-pthread", "-w"]
-PRELUDE = "prelude.h"  # the shim (CUDA's: DECLARATIONS + RUNTIME), included first by every program
+PRELUDE = "prelude.h"  # the shim (CUDA's: DECLARATIONS + RUNTIME + FILE_IO), included first by every program
 
 
 def build(prelude: str, program: str, workdir: Path) -> Path:

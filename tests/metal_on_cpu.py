@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cuda_on_cpu import GXX, build
+from cuda_on_cpu import FILE_IO, GXX, build
 from kvcompress.kernels.dispatch import METAL_CONSTANT_BELOW as MAX_CONSTANT_ARRAY_SIZE  # metal_kernel.cpp's name
 from kvcompress.kernels.dispatch import METAL_THREADGROUP_MEMORY as THREADGROUP_MEMORY_LIMIT
 
@@ -370,21 +370,6 @@ template <class F> void launch(uint3 grid, uint3 group, F body) {
         for (auto& th : pool) th.join();
     }
 }
-template <typename X> std::vector<X> load(const char* path) {
-    FILE* f = std::fopen(path, "rb");
-    std::fseek(f, 0, SEEK_END);
-    const long bytes = std::ftell(f);
-    std::fseek(f, 0, SEEK_SET);
-    std::vector<X> v(bytes / sizeof(X));
-    if (std::fread(v.data(), 1, bytes, f) != (size_t)bytes) std::abort();
-    std::fclose(f);
-    return v;
-}
-template <typename X> void save(const char* path, const std::vector<X>& v) {
-    FILE* f = std::fopen(path, "wb");
-    std::fwrite(v.data(), sizeof(X), v.size(), f);
-    std::fclose(f);
-}
 """
 
 # Metal's address-space qualifiers, after everything that uses the same words (std::thread): for
@@ -532,7 +517,7 @@ class EmulatedMetalKernel:
         lines.append(f"    launch({uint3 % tuple(grid)}, {uint3 % tuple(threadgroup)}, [&] {{ {call}({', '.join(arguments)}); }});")
         lines += [f'    save("{n}.out", {n});' for n in self.output_names]
         main = "int main() {\n" + "\n".join(lines) + "\n    return 0;\n}\n"
-        binary = build(METAL_SHIM.replace("HALF_TYPES", RUN_HALF) + RUNTIME + RUN_QUALIFIERS, text + main, workdir)
+        binary = build(METAL_SHIM.replace("HALF_TYPES", RUN_HALF) + RUNTIME + FILE_IO + RUN_QUALIFIERS, text + main, workdir)
         used = threadgroup_bytes(binary, kernel_name)
         if used > THREADGROUP_MEMORY_LIMIT:
             raise MetalLimitError(f"{kernel_name}: {used} bytes of threadgroup memory > {THREADGROUP_MEMORY_LIMIT}")

@@ -1,6 +1,7 @@
 """Model fixtures that need nothing but MLX and mlx-lm: conftest.py imports them, and a GPU machine
 without the project installed loads them alone (`pytest --noconftest -p model_fixtures`, as
-scripts/gpu_tests.sh does). Also `TwinCaches`, for tests that compare two paths of a cache."""
+scripts/gpu_tests.sh does). Also `TwinCaches`, for tests that compare two paths of a cache, and
+`next_token_kl`, the quantizers' error on the embedded model."""
 
 import numpy as np
 import pytest
@@ -52,3 +53,24 @@ class TwinCaches:
             outs.append(c.attention(q, keys, values, scale=self.D**-0.5, mask=mask))
         return outs
 
+
+# A 217-token prompt (benchmarks/quantizer_kl.py's): its last token attends over what the cache holds.
+KL_PROMPT = "The pass key is 4127. Remember it. " + "The grass is green. " * 40 + "The pass key is"
+
+
+def next_token_kl(model, tokenizer, method: str, **params) -> float:
+    """KL(full || cache) in nats of the next-token distribution after KL_PROMPT: all but its last
+    token in one call, then the last alone, over the codes (or whatever the cache holds)."""
+    import mlx.core as mx
+
+    import kvcompress
+
+    prompt = tokenizer.encode(KL_PROMPT)
+
+    def log_probs(cache):
+        model(mx.array(prompt[:-1])[None], cache=cache)
+        out = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1].astype(mx.float32)
+        return out - mx.logsumexp(out)
+
+    full = log_probs(kvcompress.make_cache(model, "full"))
+    return float((mx.exp(full) * (full - log_probs(kvcompress.make_cache(model, method, **params)))).sum())

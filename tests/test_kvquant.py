@@ -18,6 +18,7 @@ from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
 from kvcompress.methods import method_config
 from kvcompress.methods.kvquant import KVQuantCache, kmeans_1d
+from model_fixtures import next_token_kl
 
 B, H, D, BASE = 1, 2, 64, 10000.0
 
@@ -278,18 +279,8 @@ def test_kvquant_on_the_embedded_model_tracks_the_full_cache_closer_than_kivi(em
     """KL(full || method) of the next token after a 250-token prompt held compressed (the protocol of
     TurboQuant's figures in docs/methods.md). KIVI keeps its last 128 tokens in full precision by
     default; here both hold every prompt token but the sink as codes (KIVI residual=32, the least)."""
-    model, tokenizer = embedded
-    prompt = tokenizer.encode("The pass key is 4127. Remember it. " + "The grass is green. " * 40 + "The pass key is")
-
-    def log_probs(cache):
-        model(mx.array(prompt[:-1])[None], cache=cache)
-        out = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1].astype(mx.float32)
-        return out - mx.logsumexp(out)
-
-    full = log_probs(kvcompress.make_cache(model, "full"))
-
     def kl(method, **params):
-        return float((mx.exp(full) * (full - log_probs(kvcompress.make_cache(model, method, **params)))).sum())
+        return next_token_kl(*embedded, method, **params)
 
     kvquant = {bits: kl("kvquant", bits=bits) for bits in (3, 4)}
     kivi = {bits: kl("kivi", bits=bits, residual=32) for bits in (3, 4)}

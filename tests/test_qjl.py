@@ -15,6 +15,7 @@ from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
 from kvcompress.methods import method_config
 from kvcompress.methods.qjl import QjlCache, sketch
+from model_fixtures import next_token_kl
 
 
 def numpy_scores(q: np.ndarray, k: np.ndarray, S: np.ndarray, m: int, m_out: int, outliers: int, G: int) -> np.ndarray:
@@ -165,16 +166,7 @@ def test_qjl_on_the_embedded_model_more_sketch_bits_track_the_full_cache_closer(
     """KL(full || qjl) of the next token after the 217-token prompt of benchmarks/quantizer_kl.py
     (keys: 128 as sign sketches; values: 88 as 2-bit codes; the rest exact), seeds 0-2: the paper's
     sketch sizes (measured median over seeds 0-4: 0.58) against 1024 bits a key (0.19)."""
-    model, tokenizer = embedded
-    prompt = tokenizer.encode("The pass key is 4127. Remember it. " + "The grass is green. " * 40 + "The pass key is")
-
-    def log_probs(cache):
-        model(mx.array(prompt[:-1])[None], cache=cache)
-        out = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1].astype(mx.float32)
-        return out - mx.logsumexp(out)
-
-    full = log_probs(kvcompress.make_cache(model, "full"))
-    kl = {m: np.median([float((mx.exp(full) * (full - log_probs(kvcompress.make_cache(
-        model, "qjl", sketch_dim=m, initial_sketch_dim=max(m, 512), seed=s)))).sum()) for s in range(3)])
-        for m in (256, 1024)}
+    kl = {m: np.median([next_token_kl(*embedded, "qjl", sketch_dim=m, initial_sketch_dim=max(m, 512), seed=s)
+                        for s in range(3)])
+          for m in (256, 1024)}
     assert kl[256] < 1.0 and kl[1024] < kl[256], kl

@@ -15,6 +15,7 @@ from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
 from kvcompress.methods import method_config
 from kvcompress.methods.turboquant import TurboQuantCache, codebook, pack, unpack
+from model_fixtures import next_token_kl
 
 
 def test_codebook_is_lloyd_max_for_a_rotated_unit_vectors_coordinate():
@@ -149,17 +150,8 @@ def test_turboquant_on_the_embedded_model_more_bits_track_the_full_cache_closer(
     """KL(full || turboquant) of the next token after a 217-token prompt held as codes, over 5 seeds
     (rotations and sketches). It varies a lot with the seed (measured at 3 bits: 0.04 to 3.5; the
     QJL residual's variance on high-norm keys), so the medians are compared."""
-    model, tokenizer = embedded
-    prompt = tokenizer.encode("The pass key is 4127. Remember it. " + "The grass is green. " * 40 + "The pass key is")
-
-    def log_probs(cache):
-        model(mx.array(prompt[:-1])[None], cache=cache)
-        out = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1].astype(mx.float32)  # over the codes
-        return out - mx.logsumexp(out)
-
-    full = log_probs(kvcompress.make_cache(model, "full"))
-    kl = {(bits, qjl): np.median([float((mx.exp(full) * (full - log_probs(kvcompress.make_cache(
-        model, "turboquant", bits=bits, qjl=qjl, seed=seed)))).sum()) for seed in range(5)])
-        for bits in (3, 4) for qjl in (True, False)}
+    kl = {(bits, qjl): np.median([next_token_kl(*embedded, "turboquant", bits=bits, qjl=qjl, seed=seed)
+                                  for seed in range(5)])
+          for bits in (3, 4) for qjl in (True, False)}
     assert kl[4, True] < 0.1 and kl[4, True] < kl[3, True], kl
     assert kl[4, False] < kl[4, True], kl  # all bits on codes: a lower error on this model

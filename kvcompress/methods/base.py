@@ -140,7 +140,16 @@ class Method:
 
 
 class PerSideBits:
-    """For quantizers with `bits` and optional `key_bits` / `value_bits` overrides (KIVI, TurboQuant)."""
+    """For quantizers with `bits` and optional `key_bits` / `value_bits` overrides (KIVI, TurboQuant,
+    KVQuant)."""
+
+    def check_bits(self, allowed_bits: tuple) -> None:
+        """ConfigError naming `<method>.bits` / `.key_bits` / `.value_bits` when not in `allowed_bits`."""
+        allowed = "one of " + ", ".join(map(str, allowed_bits))
+        check(self.bits in allowed_bits, f"{self.name}.bits", allowed, self.bits)
+        for side in ("key_bits", "value_bits"):
+            value = getattr(self, side)
+            check(value is None or value in allowed_bits, f"{self.name}.{side}", allowed + " or None", value)
 
     @property
     def k_bits(self) -> int:

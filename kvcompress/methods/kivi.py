@@ -57,10 +57,7 @@ class Kivi(PerSideBits, Method):
     residual_policy: str = "paper"
 
     def __post_init__(self):
-        allowed = "one of " + ", ".join(map(str, BITS))
-        check(self.bits in BITS, "kivi.bits", allowed, self.bits)
-        check(self.key_bits is None or self.key_bits in BITS, "kivi.key_bits", allowed + " or None", self.key_bits)
-        check(self.value_bits is None or self.value_bits in BITS, "kivi.value_bits", allowed + " or None", self.value_bits)
+        self.check_bits(BITS)
         check(self.group_size in GROUP_SIZES, "kivi.group_size", "one of 32, 64, 128", self.group_size)
         check(self.residual_policy in RESIDUAL_POLICIES, "kivi.residual_policy", "one of 'paper', 'grouped'", self.residual_policy)
         ok = is_int(self.residual) and self.residual >= 0

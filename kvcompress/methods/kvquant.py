@@ -81,11 +81,7 @@ class KVQuant(PerSideBits, Method):
     codebook: str = "layer"
 
     def __post_init__(self):
-        allowed = "one of " + ", ".join(map(str, BITS))
-        check(self.bits in BITS, "kvquant.bits", allowed, self.bits)
-        check(self.key_bits is None or self.key_bits in BITS, "kvquant.key_bits", allowed + " or None", self.key_bits)
-        check(self.value_bits is None or self.value_bits in BITS, "kvquant.value_bits", allowed + " or None",
-              self.value_bits)
+        self.check_bits(BITS)
         ok = isinstance(self.outlier_fraction, (int, float)) and not isinstance(self.outlier_fraction, bool)
         check(ok and 0 <= self.outlier_fraction < 0.5, "kvquant.outlier_fraction", "a number in [0, 0.5)",
               self.outlier_fraction)

@@ -73,11 +73,7 @@ class TurboQuant(PerSideBits, Method):
     seed: int = 0
 
     def __post_init__(self):
-        allowed = "one of " + ", ".join(map(str, BITS))
-        check(self.bits in BITS, "turboquant.bits", allowed, self.bits)
-        check(self.key_bits is None or self.key_bits in BITS, "turboquant.key_bits", allowed + " or None", self.key_bits)
-        check(self.value_bits is None or self.value_bits in BITS, "turboquant.value_bits", allowed + " or None",
-              self.value_bits)
+        self.check_bits(BITS)
         check(isinstance(self.seed, int), "turboquant.seed", "an int", self.seed)
         check(isinstance(self.qjl, bool), "turboquant.qjl", "true or false", self.qjl)
 

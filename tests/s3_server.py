@@ -9,8 +9,10 @@ user's would; the endpoint from the URL options `endpoint_override` and `scheme`
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -60,6 +62,14 @@ class S3Server:
         return self.url(prefix)
 
 
+def _die_with_parent() -> None:
+    """In the server's child process, before exec: on Linux, SIGTERM when the test process dies, so a
+    killed test session leaves no S3 server behind (the fixture's teardown covers every other end)."""
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     from kvcompress_flows.local_server import free_port, stop_process_group
@@ -69,7 +79,8 @@ def s3_server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                              preexec_fn=_die_with_parent)
     try:
         deadline = time.monotonic() + 120
         while True:

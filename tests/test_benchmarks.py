@@ -46,9 +46,11 @@ def test_the_cpu_kernels_suite_runs_at_smoke_sizes():
     assert out.returncode == 0, out.stderr
     for script in ("matmul_gflops.py", "kivi_cpu.py", "eviction_update.py"):
         assert f"== {script}: " in out.stdout
-    # the BLAS kvcompress loads against the mlx wheel's reference BLAS (~17x here)
+    # which BLAS the project loaded, not how fast it ran: a speed ratio is timing luck on a busy
+    # machine (the ~17x lives in the benchmark's table, not here)
+    assert "kvcompress BLAS: " in out.stdout and "libopenblas" in out.stdout, out.stdout
     row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["256"])
-    assert float(row[-1].rstrip("x")) > 2, row
+    assert float(row[1]) > 0 and float(row[2]) > 0 and row[-1].endswith("x"), row
     assert "| h2o | 256 | 3 |" in out.stdout and "| streaming | 256 | 3 |" in out.stdout
 
 

@@ -332,7 +332,9 @@ def test_validate_does_no_work():
     validate("longbench", {"subset": "qasper", "context_tokens": 4096, "num_samples": 10, "seed": 0})
     validate("hf", {"path": "no-such/dataset", "task": "qa"})
     validate("niah", {"variant": "multiquery", "context_tokens": 131072, "depth": 0.5, "num_samples": 1000})
-    assert time.perf_counter() - start < 0.1
+    # doing the work (1000 needles at 131k tokens, a hub request) takes far more than this even on an
+    # idle machine; the bound leaves room for a busy one
+    assert time.perf_counter() - start < 2
 
 
 def test_dataset_params_defaults():

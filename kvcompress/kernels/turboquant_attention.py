@@ -465,8 +465,9 @@ def random_case(key_bits: int, value_bits: int, D: int, M: int, qjl: bool = True
     v = mx.random.normal((1, heads, T, D), key=k2)
     q = mx.random.normal((1, heads, M, D), key=k3)
     cache = TurboQuantCache(key_bits, value_bits, seed, qjl)
-    cache.update_and_fetch(k[:, :, : T - 2], v[:, :, : T - 2])
-    for t in (T - 2, T - 1):
+    prompt = max(1, T - 2)
+    cache.update_and_fetch(k[:, :, :prompt], v[:, :, :prompt])
+    for t in range(prompt, T):
         cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
     return q, cache.key_side.coded(cache.arrays), cache.value_side.coded(cache.arrays), T
 

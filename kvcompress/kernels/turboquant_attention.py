@@ -360,7 +360,8 @@ def _kernel(which: str, backend: str):
 
 
 def shared_bytes(D: int, M: int, qjl: bool, key_code_bits: int, value_bits: int) -> int:
-    """Static threadgroup memory of the attention kernel's blocks (_ATTN_BODY's arrays)."""
+    """Static threadgroup memory of the attention kernel's blocks (_ATTN_BODY's arrays; ptxas agreed for sm_90,
+    less 4 bytes where the unread sketch array is dropped)."""
     return 4 * (D * M * (2 if qjl else 1) + (0 if qjl else 1) + 2**key_code_bits + 2**value_bits
                 + D // 32 * M * TILE + 3 * M)
 

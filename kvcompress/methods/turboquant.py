@@ -29,8 +29,12 @@ bits, 32 at 2). The paper's example for 2.5 bits splits 32 of 128 channels at 3 
 mlx-vlm's count, where the codes alone average the named width. mlx-vlm's `bits=3.5` alone means keys 3, values 4 (no
 split); here `bits=3.5` splits both sides, and key_bits / value_bits set each side.
 
-This module is the plain MLX reference (no fused kernel yet); it gathers the codebook entries of the
-held codes per step, a transient, not a stored copy. `live_kv_bytes` is the packed codes, signs and
+The attention here is the plain MLX reference: it gathers the codebook entries of the held codes per
+call, a transient, not a stored copy. A decode call (at most 8 query rows a KV head, no sinks, an
+integer width, head dim 32 / 64 / 128) on a GPU instead runs the fused kernel of
+kvcompress/kernels/turboquant_attention.py over the codes (CUDA and Metal from one body, chosen and
+self-tested through kernels/dispatch.py): the held tokens' softmax part there, the call's own tokens
+exactly here, the two merged by their log-sum-exps. `live_kv_bytes` is the packed codes, signs and
 norms held (and a fractional width's channel indices).
 
 Departures: every token is stored quantized when it arrives (no full-precision window beyond the

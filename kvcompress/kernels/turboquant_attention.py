@@ -497,4 +497,4 @@ def decode_backend(q: mx.array, keys: Coded | None, values: Coded | None, n: int
         dispatch.record_reference(KERNEL, dtype)
         return None
     variant = (keys.codec.code_bits, values.codec.bits, q.shape[-1], q.shape[-2], keys.codec.qjl)
-    return dispatch.select(KERNEL, dtype, variant, lambda backend: _selftest(backend, variant))
+    return dispatch.select("turboquant_decode_attention", dtype, variant, lambda backend: _selftest(backend, variant))

@@ -32,7 +32,8 @@ KV_HEADS, QUERY_HEADS, D = 8, 32, 128
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768])
-    parser.add_argument("--bits", type=int, nargs="*", default=[2, 4], help="TurboQuant widths (integer; keys with QJL)")
+    parser.add_argument("--bits", type=int, nargs="*", default=[2, 4], choices=[2, 3, 4],
+                        help="TurboQuant widths (integer; keys with QJL)")
     parser.add_argument("--layers", type=int, default=None, help="layers a timing (default: enough to exceed the L2)")
     args = parser.parse_args()
     if dispatch.gpu_backend() is None:

@@ -30,8 +30,8 @@ and sum per query row (online softmax, exp2 on logits pre-scaled by scale * log2
 unnormalized partial output; a combine kernel merges the blocks and writes the log-sum-exp. In a tile:
 - scores: the head's channels are cut into slices of 32, so a slice's codes of one token are exactly
   b whole words and its signs one word, at any code width 1..4 (a 3-bit code may straddle two words
-  of the slice: it is put together from both). Warp w reads slice w % (D/32) of its tokens (128 *
-  32 / D a lane), all their words before any is used; the query values of a channel are read from
+  of the slice: it is put together from both). Warp w reads slice w % (D/32) of its tokens (D / 32
+  a lane), all their words before any is used; the query values of a channel are read from
   shared memory once for all the lane's tokens. The slices' partial scores meet in shared memory.
 - values: each thread owns 8 channels and every (NT / (D/8))-th token of the tile; it reads the one
   or two words that hold its 8 codes, 4 tokens' loads in flight at a time, and accumulates

@@ -10,7 +10,8 @@ measure"), with the arguments those tables were made with:
   e2e       decode and prefill per cache: the 32-layer Llama-8B shape on a GPU (docs/gpus.md), the
             embedded model on a CPU; how much of a step attention is
   kernels   each kernel against its reference or yardstick: KIVI quantize-and-pack against a copy,
-            KIVI / scored / prompt-scoring attention against SDPA, the eviction kernels against MLX;
+            KIVI / scored / prompt-scoring attention against SDPA, TurboQuant's decode attention
+            against its MLX reference and SDPA, the eviction kernels against MLX;
             on a CPU the C++ KIVI kernel, the batched eviction update and the BLAS
   memory    resident KV bytes per cache and prefill peaks per eviction method; eviction x quantization
             (bytes and KL against the full cache)
@@ -74,6 +75,7 @@ def kernels(gpu: bool, quick: bool, results: Path) -> list[list[str]]:
     if gpu:
         return [["kernel_scaling.py", "--contexts", "8192", "16384", "32768", "131072"],
                 ["scored_attention_speed.py"],
+                ["turboquant_speed.py", "--contexts", "8192", "32768"],
                 ["prompt_passes_speed.py"],
                 ["evict_gpu.py"]]
     if quick:

@@ -19,7 +19,7 @@ from typing import Callable
 import mlx.core as mx
 
 from . import _blas
-from .kernels import dispatch, evict, kivi_attention, kivi_quant, prompt_scores, scored_attention
+from .kernels import dispatch, evict, kivi_attention, kivi_quant, prompt_scores, scored_attention, turboquant_attention
 
 QUESTION = "What is the capital of France?"
 
@@ -37,6 +37,7 @@ class Probe:
 
 
 KIVI_VARIANT = (2, 2, 32, 64, 3, 1, False)  # key/value bits, group size, head dim, rows, queries, causal
+TURBOQUANT_VARIANT = (3, 4, 64, 3, True)  # turboquant bits=4: key code bits, value bits, head dim, rows, QJL
 
 PROBES = (
     Probe("evict_one", (False, False), lambda b, dt: evict._selftest(b, dt, False, False)),
@@ -46,6 +47,8 @@ PROBES = (
     Probe("prompt_scores", (64, False), lambda b, dt: prompt_scores._selftest(b, dt, (64, False))),
     Probe("scored_attention", (3, 64, True, False, False),
           lambda b, dt: scored_attention._selftest(b, dt, (3, 64, True, False, False))),
+    Probe("turboquant_decode_attention", TURBOQUANT_VARIANT,
+          lambda b, dt: turboquant_attention._selftest(b, TURBOQUANT_VARIANT)),
 )
 
 
@@ -133,6 +136,12 @@ def _speed(kernel: str, backend: str, dtype) -> tuple[Callable, Callable] | None
             fused = lambda: kivi_attention.decode_attention_fused(*args, False, key_bits, value_bits, group_size,  # noqa: E731
                                                                   backend)
         return fused, lambda: kivi_attention.decode_attention_reference(*args, None, key_bits, value_bits, group_size)
+    if kernel == "turboquant_decode_attention":
+        code_bits, value_bits, D, M, qjl = TURBOQUANT_VARIANT
+        q, keys, values, n = turboquant_attention.random_case(code_bits + qjl, value_bits, D, M, qjl, seed=3,
+                                                              T=4096, heads=3)
+        return (lambda: turboquant_attention.attention_on_codes_fused(q, keys, values, n, D**-0.5, backend),
+                lambda: turboquant_attention.attention_on_codes_reference(q, keys, values, n, D**-0.5))
     if kernel == "kivi_quantize_pack":
         x = mx.random.normal((1, 3, 4096, 64), key=mx.random.key(3)).astype(dtype)
         return (lambda: kivi_quant.quantize_pack_kernel(x, 2, 32, True, backend),

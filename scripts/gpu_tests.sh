@@ -16,7 +16,7 @@ start=$(date +%s)
 pytest="python3 -m pytest -q -p no:cacheprovider --noconftest -p model_fixtures -rfEs --tb=short"
 export PYTHONPATH="$PWD/tests:$PYTHONPATH"
 export MLX_ENABLE_TF32=0
-timeout 500 $pytest tests/test_kivi_attention.py tests/test_kivi_quant.py tests/test_evict_gpu.py tests/test_evict.py \
+timeout 500 $pytest tests/test_kivi_attention.py tests/test_turboquant_kernel.py tests/test_kivi_quant.py tests/test_evict_gpu.py tests/test_evict.py \
   tests/test_dispatch.py -k "not run_config" > "$out/tests_kernels.log" 2>&1 &
 timeout 500 $pytest tests/test_eviction.py tests/test_streaming_ring.py > "$out/tests_eviction.log" 2>&1 &
 timeout 500 $pytest tests/test_prompt_scores.py tests/test_keyformer.py \

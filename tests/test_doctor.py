@@ -34,7 +34,7 @@ def test_doctor_lists_every_kernel_with_path_and_reason():
     done = kvcompress("doctor")
     assert done.returncode == 0, done.stdout + done.stderr
     kernels = dispatched_kernels()
-    assert len(kernels) == 6 and {p.kernel for p in doctor.PROBES} == kernels
+    assert len(kernels) == 7 and {p.kernel for p in doctor.PROBES} == kernels
     for name in kernels:
         line, = [ln for ln in done.stdout.splitlines() if ln.strip().startswith(f"{name}/")]
         assert re.search(r" (fused|reference): \S", line), line

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuda_on_cpu
-from kvcompress.kernels import evict, kivi_attention, kivi_attention_mma, kivi_quant
+from kvcompress.kernels import evict, kivi_attention, kivi_attention_mma, kivi_quant, turboquant_attention
 from kvcompress.kernels import prompt_scores as prompt_kernels
 from kvcompress.kernels import scored_attention as kernel
 from kvcompress.kernels.kivi_attention import CUDA_HEADER
@@ -24,7 +24,7 @@ def emulated_cuda(monkeypatch, tmp_path):
     """mx.fast.cuda_kernel runs kernels on the CPU; the kernel modules build theirs anew."""
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_on_cpu.emulated(tmp_path))
     for module, cache in ((evict, "_kernels"), (evict, "_slot_kernels"), (kivi_attention, "_kernels"),
-                          (kivi_attention_mma, "_kernels"),
+                          (kivi_attention_mma, "_kernels"), (turboquant_attention, "_kernels"),
                           (kivi_quant, "_kernels"), (kernel, "_kernels"), (prompt_kernels, "_kernels")):
         monkeypatch.setattr(module, cache, {})
 
@@ -134,6 +134,18 @@ def test_kivi_decode_attention_runs_as_the_reference(emulated_cuda, key_bits, va
     want = kivi_attention.decode_attention_reference(q, keys, values, D**-0.5, "causal" if causal else None,
                                                      key_bits, value_bits, 32)
     assert_close(got, want, "output", atol=1e-5)
+
+
+# TurboQuant: 3-bit key codes (4 bits with QJL: codes straddle words) and 3-bit values at D 64, 4 rows;
+# 1-bit key codes at D 128, 8 rows; keys without QJL at D 32, one row. 300 tokens: two tiles and part of a third
+@pytest.mark.parametrize("key_bits, value_bits, D, M, qjl", [(4, 3, 64, 4, True), (2, 4, 128, 8, True),
+                                                             (3, 2, 32, 1, False)])
+def test_turboquant_decode_attention_runs_as_the_reference(emulated_cuda, key_bits, value_bits, D, M, qjl):
+    q, keys, values, n = turboquant_attention.random_case(key_bits, value_bits, D, M, qjl, seed=key_bits + D)
+    got = turboquant_attention.attention_on_codes_fused(q, keys, values, n, D**-0.5, "cuda", tiles_per_block=2)
+    want = turboquant_attention.attention_on_codes_reference(q, keys, values, n, D**-0.5)
+    assert_close(got[0], want[0], "output", atol=1e-5)
+    assert_close(got[1], want[1], "log-sum-exp", atol=1e-5)
 
 
 def relative_l2(got, want) -> float:
@@ -347,6 +359,7 @@ def test_every_self_test_passes_its_kernel(emulated_cuda):
     evict._selftest("cuda", mx.float32, True, False)
     kivi_quant._selftest("cuda", mx.float32, 2, 32, True)
     kivi_attention._selftest("cuda", mx.float32, (4, 2, 32, 64, 4, 1, False))
+    turboquant_attention._selftest("cuda", (3, 3, 64, 4, True))
     kernel._selftest("cuda", mx.float32, (4, 64, True, True, True))  # every option (the others: fewer branches)
     prompt_kernels._selftest("cuda", mx.float32, (32, True))
 
@@ -356,6 +369,33 @@ def test_a_self_test_rejects_a_wrong_kernel(emulated_cuda, monkeypatch):
                                                                             "slot_out[row] = best_slot[1]"))
     with pytest.raises(AssertionError, match="slot"):
         kernel._selftest("cuda", mx.float32, (4, 64, True, False, True))
+
+
+def test_the_turboquant_self_test_rejects_a_kernel_without_the_qjl_term(emulated_cuda, monkeypatch):
+    monkeypatch.setattr(turboquant_attention, "CUDA_ATTN_SOURCE", turboquant_attention.CUDA_ATTN_SOURCE.replace(
+        "(dot[m][i] + rn[i] * qj[m][i])", "dot[m][i]"))
+    with pytest.raises(AssertionError, match="turboquant_decode_attention self-test"):
+        turboquant_attention._selftest("cuda", (3, 3, 64, 4, True))
+
+
+def test_turboquant_cache_decodes_through_the_kernel(emulated_cuda, monkeypatch):
+    """A TurboQuant cache whose dispatch sees a CUDA GPU runs its decode steps through the (emulated)
+    kernel, the step's own token merged by log-sum-exp, and gives the reference path's outputs."""
+    from kvcompress.kernels import dispatch
+    from test_turboquant_kernel import decode_steps
+
+    plain = decode_steps(4, 3, 64, 4, steps=2)
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: "cuda")
+    dispatch.forget_verdicts()
+    dispatch.reset_paths()
+    try:
+        fused = decode_steps(4, 3, 64, 4, steps=2)
+        assert dispatch.paths_used() == {"turboquant_decode_attention/cuda/float32": "fused"}
+    finally:
+        dispatch.forget_verdicts()
+        dispatch.reset_paths()
+    for a, b in zip(fused, plain):
+        assert_close(a, b, "output", atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["h2o", "keyformer"])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import metal_on_cpu
-from kvcompress.kernels import evict, kivi_attention, kivi_quant
+from kvcompress.kernels import evict, kivi_attention, kivi_quant, turboquant_attention
 from kvcompress.kernels import scored_attention as kernel
 
 pytestmark = pytest.mark.skipif(metal_on_cpu.GXX is None, reason="needs g++")
@@ -25,7 +25,7 @@ def emulated_metal(monkeypatch, tmp_path):
     """mx.fast.metal_kernel runs kernels on the CPU; the kernel modules build theirs anew."""
     monkeypatch.setattr(mx.fast, "metal_kernel", metal_on_cpu.emulated(tmp_path))
     for module, cache in ((evict, "_kernels"), (evict, "_slot_kernels"), (kivi_attention, "_kernels"),
-                          (kivi_quant, "_kernels"), (kernel, "_kernels")):
+                          (kivi_quant, "_kernels"), (kernel, "_kernels"), (turboquant_attention, "_kernels")):
         monkeypatch.setattr(module, cache, {})
 
 
@@ -36,7 +36,7 @@ def test_every_metal_kernel_module_is_emulated_here():
     import kvcompress.kernels
 
     modules = {p.stem for p in Path(kvcompress.kernels.__path__[0]).glob("*.py") if "mx.fast.metal_kernel" in p.read_text()}
-    assert modules == {"evict", "kivi_attention", "kivi_quant", "scored_attention"}
+    assert modules == {"evict", "kivi_attention", "kivi_quant", "scored_attention", "turboquant_attention"}
 
 
 def assert_equal(got, want, what):
@@ -226,6 +226,18 @@ def test_kivi_decode_attention_runs_as_the_reference(emulated_metal, key_bits, v
     assert_close(got, want, "output", atol=1e-5)
 
 
+# TurboQuant: the largest threadgroup arrays (D 128, 8 rows: 24.6 KiB), and 3-bit codes straddling words
+# with keys without QJL (their unread inputs are stand-ins)
+@pytest.mark.parametrize("key_bits, value_bits, D, M, qjl", [(2, 4, 128, 8, True), (3, 3, 64, 4, False)])
+def test_turboquant_decode_attention_runs_as_the_reference(emulated_metal, key_bits, value_bits, D, M, qjl):
+    assert turboquant_attention.shared_bytes(128, 8, True, 3, 4) <= metal_on_cpu.THREADGROUP_MEMORY_LIMIT
+    q, keys, values, n = turboquant_attention.random_case(key_bits, value_bits, D, M, qjl, seed=key_bits + D)
+    got = turboquant_attention.attention_on_codes_fused(q, keys, values, n, D**-0.5, "metal", tiles_per_block=2)
+    want = turboquant_attention.attention_on_codes_reference(q, keys, values, n, D**-0.5)
+    assert_close(got[0], want[0], "output", atol=1e-5)
+    assert_close(got[1], want[1], "log-sum-exp", atol=1e-5)
+
+
 @needs_clang
 def test_one_element_stand_ins_do_not_compile_on_metal(emulated_metal, monkeypatch):
     """The bug the cases above catch: with the stand-ins of one element they had before the fix, MLX
@@ -329,4 +341,5 @@ def test_every_self_test_passes_its_kernel(emulated_metal):
     evict._selftest("metal", mx.float32, True, False)
     kivi_quant._selftest("metal", mx.float32, 2, 32, True)
     kivi_attention._selftest("metal", mx.float32, (4, 2, 32, 64, 4, 1, False))
+    turboquant_attention._selftest("metal", (3, 3, 64, 4, False))
     kernel._selftest("metal", mx.float32, (4, 64, True, True, True))

@@ -29,8 +29,12 @@ bits, 32 at 2). The paper's example for 2.5 bits splits 32 of 128 channels at 3 
 mlx-vlm's count, where the codes alone average the named width. mlx-vlm's `bits=3.5` alone means keys 3, values 4 (no
 split); here `bits=3.5` splits both sides, and key_bits / value_bits set each side.
 
-This module is the plain MLX reference (no fused kernel yet); it gathers the codebook entries of the
-held codes per step, a transient, not a stored copy. `live_kv_bytes` is the packed codes, signs and
+The attention here is the plain MLX reference: it gathers the codebook entries of the held codes per
+call, a transient, not a stored copy. A decode call (at most 8 query rows a KV head, no sinks, an
+integer width, head dim 32 / 64 / 128) on a GPU instead runs the fused kernel of
+kvcompress/kernels/turboquant_attention.py over the codes (CUDA and Metal from one body, chosen and
+self-tested through kernels/dispatch.py): the held tokens' softmax part there, the call's own tokens
+exactly here, the two merged by their log-sum-exps. `live_kv_bytes` is the packed codes, signs and
 norms held (and a fractional width's channel indices).
 
 Departures: every token is stored quantized when it arrives (no full-precision window beyond the
@@ -49,6 +53,7 @@ import numpy as np
 
 from ..attention import install, masked_softmax
 from ..errors import check
+from ..kernels import turboquant_attention
 from .base import CompressedCache, Method, PerSideBits, array_bytes, write_rows
 
 BITS = (2, 2.5, 3, 3.5, 4)
@@ -270,6 +275,14 @@ class Side:
     def dequantize(self, arrays: dict[str, mx.array], rows: int) -> mx.array:
         return self._merge([codec.dequantize(a) for _, a, codec in self._each(None, arrays, rows)])
 
+    def coded(self, arrays: dict[str, mx.array]) -> turboquant_attention.Coded | None:
+        """The fused decode kernel's view of an integer width (its codec and whole buffers); None for a
+        fractional width, whose two codecs the kernel does not take."""
+        if self.high is not None:
+            return None
+        prefix, _, codec = self.parts[0]
+        return turboquant_attention.Coded(codec, {name: arrays[f"{prefix}_{name}"] for name in codec.names()})
+
 
 def fractional(bits: float) -> bool:
     return bits != math.floor(bits)
@@ -329,6 +342,11 @@ class TurboQuantCache(CompressedCache):
         self._fresh = None
         S = 0 if fresh_k is None else fresh_k.shape[2]
         q = queries.astype(mx.float32).reshape(B, H, G * L, Dk)
+        # a decode call (a GQA group's rows, no sinks, the held tokens all visible) may take the kernel
+        if G * L <= turboquant_attention.MAX_ROWS and sinks is None and (mask is None or (mask == "causal" and S >= L)):
+            out = self._held_then_fresh(q, scale, T - S, L, mask is not None, fresh_k, fresh_v, queries.dtype)
+            if out is not None:
+                return out.reshape(B, n_q, L, Dv).astype(queries.dtype)
         scores = self.key_side.scores(q, self.arrays, T - S)  # [B, H, G*L, T - S]
         if S:
             scores = mx.concatenate([scores, q @ fresh_k.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
@@ -337,6 +355,19 @@ class TurboQuantCache(CompressedCache):
         if S:
             out = out + probs[..., T - S :] @ fresh_v.astype(mx.float32)
         return out.reshape(B, n_q, L, Dv).astype(queries.dtype)
+
+    def _held_then_fresh(self, q, scale, n, L, causal, fresh_k, fresh_v, dtype) -> mx.array | None:
+        """Attention of q [B, H, M, Dk] through the fused kernel over the n held tokens' codes, merged
+        with the call's fresh tokens exactly (kernels/turboquant_attention.py); None where the kernel
+        does not take the call (or failed its self-test): the caller runs the reference."""
+        keys, values = self.key_side.coded(self.arrays), self.value_side.coded(self.arrays)
+        backend = turboquant_attention.decode_backend(q, keys, values, n, dtype)
+        if backend is None:
+            return None
+        out, lse = turboquant_attention.attention_on_codes_fused(q, keys, values, n, scale, backend)
+        if fresh_k is None:
+            return out
+        return turboquant_attention.with_fresh_tokens(out, lse, q, fresh_k, fresh_v, scale, L, causal)
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H, T, D] as attention sees them (keys with the QJL term's expectation)."""

@@ -110,7 +110,7 @@ def test_at_a_budget_covering_the_context_both_protocols_give_the_full_caches_an
     # a token budget above the whole prompt and answer: nothing is ever evicted, under either protocol
     methods = [method_config("full"), method_config("streaming", budget=1024),
                method_config("h2o", budget=1024), method_config("keyformer", budget=1024)]
-    records = run_sample(model, tokenizer, sample, methods, context_for("ruler", params, None),
+    records = run_sample(model, tokenizer, sample, methods, context_for("ruler", params, 12),
                          protocols=("query_aware", "query_agnostic"))
     assert [r.run["protocol"] for r in records] == ["query_aware"] * 4 + ["query_agnostic"] * 4
     full = records[0].run
@@ -210,17 +210,17 @@ def test_several_questions_on_one_context_share_one_compression_per_method(embed
     params = {"task": "niah_multikey_1", "context_tokens": 512, "num_samples": 1, "seed": 0, "questions": 2}
     samples = load_dataset("ruler", tokenizer=tokenizer, **params).to_list()
     assert len(samples) == 2 and samples[0]["context"] == samples[1]["context"]
-    methods = [method_config("full"), method_config("streaming", budget=0.5)]
+    methods = [method_config("full"), method_config("streaming", budget=0.5)]  # 8 answer tokens: enough to compare
     calls = []
     real = runner.compress_kv
     monkeypatch.setattr(runner, "compress_kv", lambda *a: calls.append(a[1].name) or real(*a))
-    together = run_sample(model, tokenizer, samples, methods, context_for("ruler", params, None),
+    together = run_sample(model, tokenizer, samples, methods, context_for("ruler", params, 8),
                           protocols=("query_aware", "query_agnostic"))
     assert [(r.run["sample_id"], r.run["protocol"]) for r in together] == [
         (s["id"], p) for s in samples for p in ("query_aware", "query_agnostic") for _ in methods]
     # query_aware compresses each question's whole prompt; query_agnostic the context once per method
     assert sorted(calls) == sorted(["full", "streaming"] * 2 + ["full", "streaming"])
-    alone = [r for s in samples for r in run_sample(model, tokenizer, s, methods, context_for("ruler", params, None),
+    alone = [r for s in samples for r in run_sample(model, tokenizer, s, methods, context_for("ruler", params, 8),
                                                   protocols=("query_aware", "query_agnostic"))]
     assert [r.run["prediction"] for r in together] == [r.run["prediction"] for r in alone]
     assert [r.run["run_id"] for r in together] == [r.run["run_id"] for r in alone]

@@ -1,7 +1,9 @@
 """Shard workers as two machines would run them (issue 42, item 3): each with its own working directory,
 home, caches, PREFECT_HOME and environment, sharing only the Prefect API (PREFECT_API_URL) and an S3
-bucket. One dies (SIGKILL, with the flow run it executes) mid-shard; the sweep fails at its shard
-timeout; the rerun finishes every run exactly once; the rows are an inline sweep's."""
+bucket. The sweep's two shards go one to each; one machine dies (SIGKILL, with the flow run it
+executes) mid-shard; the sweep fails at its shard timeout; the rerun finishes every run exactly once;
+the rows are an inline sweep's. (This replaces tests/test_flow.py's two-workers and killed-worker
+tests, which shared a machine's directory and environment.)"""
 
 from __future__ import annotations
 
@@ -114,6 +116,12 @@ def test_two_machines_sharing_only_the_api_and_a_bucket_lose_nothing_to_a_killed
         with get_client(sync_client=True) as client:
             first_pass = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="machines-")))
         wait_final([str(r.id) for r in first_pass if str(r.id) != killed_run])
+        # the sweep was split: the other shard ran on the machine that lived, and completed there
+        survivor = next(m for m in machines if m is not doomed)
+        survivor_log = (survivor.dir / f"{survivor.name}.log").read_text()
+        others = [r for r in first_pass if str(r.id) != killed_run]
+        assert others and all(flow_run_state(str(r.id)) == "COMPLETED" for r in others)
+        assert all(f"Flow run '{r.name}' submitted to infrastructure" in survivor_log for r in others)
         written_before = set(s3.keys(f"{prefix}/runs/"))
         start_worker(doomed, f"{doomed.name}-rebooted")
         rerun = subprocess.run(sweep_cmd, cwd=server_dir, env={**os.environ, "KVCOMPRESS_HOME": str(ROOT)},

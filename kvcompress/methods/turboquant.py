@@ -343,7 +343,8 @@ class TurboQuantCache(CompressedCache):
         S = 0 if fresh_k is None else fresh_k.shape[2]
         q = queries.astype(mx.float32).reshape(B, H, G * L, Dk)
         # a decode call (a GQA group's rows, no sinks, the held tokens all visible) may take the kernel
-        if G * L <= turboquant_attention.MAX_ROWS and sinks is None and (mask is None or (isinstance(mask, str) and mask == "causal" and S >= L)):
+        every_held_visible = mask is None or (isinstance(mask, str) and mask == "causal" and S >= L)
+        if G * L <= turboquant_attention.MAX_ROWS and sinks is None and every_held_visible:
             out = self._held_then_fresh(q, scale, T - S, L, mask is not None, fresh_k, fresh_v, queries.dtype)
             if out is not None:
                 return out.reshape(B, n_q, L, Dv).astype(queries.dtype)

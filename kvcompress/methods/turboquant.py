@@ -49,7 +49,8 @@ import numpy as np
 
 from ..attention import install, masked_softmax
 from ..errors import check
-from .base import CompressedCache, Method, PerSideBits, array_bytes, write_rows
+from .base import (CompressedCache, Method, PerSideBits, array_bytes, attends_on_codes, attention_over,
+                   dequantized_blocks, write_rows)
 
 BITS = (2, 2.5, 3, 3.5, 4)
 
@@ -144,10 +145,19 @@ def pack(codes: mx.array, bits: int) -> mx.array:
 
 
 def unpack(words: mx.array, bits: int, dim: int) -> mx.array:
-    """The inverse of `pack`: [..., W] uint32 -> codes [..., dim] uint32."""
-    stream = ((words[..., None] >> mx.arange(32, dtype=mx.uint32)) & 1).reshape(*words.shape[:-1], words.shape[-1] * 32)
-    stream = stream[..., : dim * bits].reshape(*words.shape[:-1], dim, bits)
-    return (stream << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+    """The inverse of `pack`: [..., W] uint32 -> codes [..., dim] uint32. Code j sits at bit j * bits:
+    its low part in word j * bits // 32, shifted down, and where it straddles two words, its high part
+    at the bottom of the next. Works on gathered words, [..., dim] at a time (not a [..., W, 32] bit
+    array: the dequantization of a long context must not hold `bits` x its codes' floats)."""
+    start = np.arange(dim) * bits
+    word, shift = start // 32, start % 32
+    low = mx.take(words, mx.array(word.astype(np.int32)), axis=-1) >> mx.array(shift.astype(np.uint32))
+    straddles = shift + bits > 32
+    if straddles.any():
+        high = mx.take(words, mx.array(np.minimum(word + 1, words.shape[-1] - 1).astype(np.int32)), axis=-1)
+        up = mx.array(np.where(straddles, 32 - shift, 0).astype(np.uint32))  # 0: no high part (masked below)
+        low = low | mx.where(mx.array(straddles), high << up, 0).astype(mx.uint32)
+    return low & (2**bits - 1)
 
 
 def nearest(u: mx.array, centroids: mx.array) -> mx.array:
@@ -243,10 +253,10 @@ class Side:
     def names(self) -> list[str]:
         return [f"{prefix}_{name}" for prefix, _, codec in self.parts for name in codec.names()]
 
-    def _each(self, x: mx.array | None, arrays: dict[str, mx.array], rows: int):
+    def _each(self, x: mx.array | None, arrays: dict[str, mx.array], rows: int, start: int = 0):
         for prefix, channels, codec in self.parts:
             own = None if x is None else (x if channels is None else mx.take(x, channels, axis=-1))
-            yield own, {name: arrays[f"{prefix}_{name}"][:, :, :rows] for name in codec.names()}, codec
+            yield own, {name: arrays[f"{prefix}_{name}"][:, :, start:rows] for name in codec.names()}, codec
 
     def quantize(self, x: mx.array) -> dict[str, mx.array]:
         """x [B, H, S, D] -> every part's stored arrays, by name."""
@@ -267,8 +277,9 @@ class Side:
     def weighted_sum(self, weights: mx.array, arrays: dict[str, mx.array], rows: int) -> mx.array:
         return self._merge([codec.weighted_sum(weights, a) for _, a, codec in self._each(None, arrays, rows)])
 
-    def dequantize(self, arrays: dict[str, mx.array], rows: int) -> mx.array:
-        return self._merge([codec.dequantize(a) for _, a, codec in self._each(None, arrays, rows)])
+    def dequantize(self, arrays: dict[str, mx.array], rows: int, start: int = 0) -> mx.array:
+        """Tokens start..rows as `scores` / `weighted_sum` see them: [B, H, rows - start, D] float32."""
+        return self._merge([codec.dequantize(a) for _, a, codec in self._each(None, arrays, rows, start)])
 
 
 def fractional(bits: float) -> bool:
@@ -318,15 +329,34 @@ class TurboQuantCache(CompressedCache):
         return {name: a[:, :, : self.offset] for name, a in self.arrays.items()}
 
     def attention(self, queries, keys, values, scale, mask, sinks=None):
-        """Softmax attention of queries [B, H_q, L, Dk] over the held tokens, on the codes."""
-        B, n_q, L, Dk = queries.shape
-        H, _, Dv = self.dims
-        G, T = n_q // H, self.offset
+        """Softmax attention of queries [B, H_q, L, Dk] over the held tokens: on the codes for a
+        decode step, through the held tokens dequantized once for a prefill chunk (or sinks)."""
         # the tokens stored before this call attend through their codes; the call's own S tokens
         # (a prompt chunk, or a decode step's token) exactly, as KIVI's residual: their codes are
         # stored for the queries of later calls
         fresh_k, fresh_v = self._fresh if self._fresh is not None else (None, None)
         self._fresh = None
+        if not attends_on_codes(queries, self.dims[0], sinks):
+            return self.prefill_attention(queries, fresh_k, fresh_v, scale, mask, sinks)
+        return self.attention_on_codes(queries, fresh_k, fresh_v, scale, mask, sinks)
+
+    def prefill_attention(self, queries, fresh_k, fresh_v, scale, mask, sinks=None):
+        """A prefill chunk's attention: the tokens held before the call dequantized once (keys with
+        the QJL term, so <q, k> is the codes path's score), then the call's own exactly, through MLX's
+        fused attention (base.attention_over). The codes path's [B, H, G*L, T] float32 scores would be
+        GiBs a layer at a 2048-token chunk over a 32k context, far above the full cache."""
+        fresh_k, fresh_v = ([], []) if fresh_k is None else ([fresh_k], [fresh_v])
+        held = self.offset - sum(k.shape[2] for k in fresh_k)
+        keys, values = (dequantized_blocks(lambda a, b, side=side: side.dequantize(self.arrays, b, a), 0, held,
+                                           queries.dtype) for side in (self.key_side, self.value_side))
+        return attention_over(queries, keys + fresh_k, values + fresh_v, scale, mask, sinks)
+
+    def attention_on_codes(self, queries, fresh_k, fresh_v, scale, mask, sinks=None):
+        """A decode step's attention on the codes: the query rotated (and sketched) once, scores from
+        the codebook entries of the held codes, the call's own tokens exactly."""
+        B, n_q, L, Dk = queries.shape
+        H, _, Dv = self.dims
+        G, T = n_q // H, self.offset
         S = 0 if fresh_k is None else fresh_k.shape[2]
         q = queries.astype(mx.float32).reshape(B, H, G * L, Dk)
         scores = self.key_side.scores(q, self.arrays, T - S)  # [B, H, G*L, T - S]

@@ -35,6 +35,11 @@ def test_pack_round_trips_and_holds_bits_per_code(bits, dim):
     words = pack(codes, bits)
     assert words.shape == (2, 3, 7, -(-dim * bits // 32)) and words.dtype == mx.uint32
     assert bool(mx.all(unpack(words, bits, dim) == codes))
+    # the layout (kernels read it): bit i of code j is bit (j * bits + i) of the little-endian stream
+    stream = (np.array(codes)[..., None] >> np.arange(bits)) & 1  # [..., dim, bits]
+    stream = np.concatenate([stream.reshape(2, 3, 7, -1), np.zeros((2, 3, 7, -dim * bits % 32), np.uint32)], -1)
+    expected = (stream.reshape(2, 3, 7, -1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+    np.testing.assert_array_equal(np.array(words), expected.astype(np.uint32))
 
 
 def _filled(key_bits=4, value_bits=4, T=80, D=64, H=2, seed=0, qjl=True):

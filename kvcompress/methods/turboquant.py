@@ -133,15 +133,26 @@ def sketch_matrix(heads: int, dim: int, seed: int) -> mx.array:
 
 def pack(codes: mx.array, bits: int) -> mx.array:
     """codes [..., D] (ints < 2^bits) -> [..., ceil(D * bits / 32)] uint32, a little-endian bit
-    stream (the last word zero-padded where D * bits is not a multiple of 32)."""
-    shifts = mx.arange(bits, dtype=mx.uint32)
+    stream (the last word zero-padded where D * bits is not a multiple of 32). 32 codes fill `bits`
+    words exactly: each of those words is the sum (an OR: the fields are disjoint) of its codes'
+    low parts shifted up and, where a code straddles two words, its high part at the bottom; built
+    one word of the group at a time, so the transients are [..., D] (not a [..., D * bits] bit array:
+    a prefill chunk's quantization must not hold `bits` x its codes)."""
     *lead, dim = codes.shape
-    stream = ((codes.astype(mx.uint32)[..., None] >> shifts) & 1).reshape(*lead, dim * bits)  # [..., D*bits]
-    pad = -dim * bits % 32
+    pad = -dim % 32
+    codes = codes.astype(mx.uint32)
     if pad:
-        stream = mx.concatenate([stream, mx.zeros((*lead, pad), mx.uint32)], axis=-1)
-    stream = stream.reshape(*lead, (dim * bits + pad) // 32, 32)  # [..., W, 32]
-    return (stream << mx.arange(32, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+        codes = mx.concatenate([codes, mx.zeros((*lead, pad), mx.uint32)], axis=-1)
+    groups = codes.reshape(*lead, (dim + pad) // 32, 32)  # [..., n_groups, 32]
+    start = np.arange(32) * bits
+    word, shift = start // 32, start % 32  # each code's word in its group and bit in that word
+    straddles = shift + bits > 32
+    low = groups << mx.array(shift.astype(np.uint32))  # bits past 32 drop: they are the high parts
+    high = groups >> mx.array(np.where(straddles, 32 - shift, 0).astype(np.uint32))
+    words = [mx.where(mx.array(word == k), low, 0).sum(axis=-1)
+             + mx.where(mx.array(straddles & (word + 1 == k)), high, 0).sum(axis=-1) for k in range(bits)]
+    words = mx.stack(words, axis=-1).astype(mx.uint32).reshape(*lead, -1)  # [..., n_groups * bits]
+    return words[..., : -(-dim * bits // 32)]
 
 
 def unpack(words: mx.array, bits: int, dim: int) -> mx.array:

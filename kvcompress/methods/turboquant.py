@@ -134,24 +134,23 @@ def sketch_matrix(heads: int, dim: int, seed: int) -> mx.array:
 def pack(codes: mx.array, bits: int) -> mx.array:
     """codes [..., D] (ints < 2^bits) -> [..., ceil(D * bits / 32)] uint32, a little-endian bit
     stream (the last word zero-padded where D * bits is not a multiple of 32). 32 codes fill `bits`
-    words exactly: each of those words is the sum (an OR: the fields are disjoint) of its codes'
-    low parts shifted up and, where a code straddles two words, its high part at the bottom; built
-    one word of the group at a time, so the transients are [..., D] (not a [..., D * bits] bit array:
-    a prefill chunk's quantization must not hold `bits` x its codes)."""
+    words exactly; word k of such a group is the sum (an OR: the fields are disjoint) of the run of
+    codes that overlap it, each shifted to where it starts (bits past 32 drop: they belong to the next
+    word), the first shifted down where it began in word k - 1. The transients stay [..., D] (not a
+    [..., D * bits] bit array: a prefill chunk's quantization must not hold `bits` x its codes)."""
     *lead, dim = codes.shape
     pad = -dim % 32
     codes = codes.astype(mx.uint32)
     if pad:
         codes = mx.concatenate([codes, mx.zeros((*lead, pad), mx.uint32)], axis=-1)
     groups = codes.reshape(*lead, (dim + pad) // 32, 32)  # [..., n_groups, 32]
-    start = np.arange(32) * bits
-    word, shift = start // 32, start % 32  # each code's word in its group and bit in that word
-    straddles = shift + bits > 32
-    low = groups << mx.array(shift.astype(np.uint32))  # bits past 32 drop: they are the high parts
-    high = groups >> mx.array(np.where(straddles, 32 - shift, 0).astype(np.uint32))
-    words = [mx.where(mx.array(word == k), low, 0).sum(axis=-1)
-             + mx.where(mx.array(straddles & (word + 1 == k)), high, 0).sum(axis=-1) for k in range(bits)]
-    words = mx.stack(words, axis=-1).astype(mx.uint32).reshape(*lead, -1)  # [..., n_groups * bits]
+    words = []
+    for k in range(bits):
+        first, last = 32 * k // bits, min(31, (32 * k + 31) // bits)  # the codes overlapping word k
+        start = np.arange(first, last + 1) * bits - 32 * k  # where each starts in word k (< 0: in word k - 1)
+        up, down = (mx.array(np.maximum(sign * start, 0).astype(np.uint32)) for sign in (1, -1))
+        words.append(((groups[..., first : last + 1] << up) >> down).sum(axis=-1).astype(mx.uint32))
+    words = mx.stack(words, axis=-1).reshape(*lead, -1)  # [..., n_groups * bits]
     return words[..., : -(-dim * bits // 32)]
 
 
@@ -172,9 +171,14 @@ def unpack(words: mx.array, bits: int, dim: int) -> mx.array:
 
 
 def nearest(u: mx.array, centroids: mx.array) -> mx.array:
-    """Index of the nearest centroid (ascending) for each coordinate of u."""
-    edges = (centroids[1:] + centroids[:-1]) / 2
-    return (u[..., None] > edges).sum(axis=-1).astype(mx.uint32)
+    """Index of the nearest centroid (ascending) for each coordinate of u: the number of cell edges
+    (midpoints, float32) below it, counted one edge at a time in uint8 (not a [..., 2^b - 1] array of
+    comparisons as wide as u's floats x 2^b / 4)."""
+    c = np.array(centroids, np.float32)
+    code = mx.zeros(u.shape, mx.uint8)
+    for edge in (c[1:] + c[:-1]) / 2:
+        code = code + (u > float(edge))
+    return code.astype(mx.uint32)
 
 
 class Codec:

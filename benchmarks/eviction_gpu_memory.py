@@ -14,7 +14,7 @@ given without a budget get 0.5 (half the prompt). `--methods` defaults to every 
 `--quantizers` is every quantizer (issue 40) with `full` and the composition SnapKV 0.5 + KIVI-4.
 
     source /tmp/mlx-cuda-env.sh && python3 benchmarks/eviction_gpu_memory.py 8192 32768 [--budget-s 300]
-        [--methods full,h2o,snapkv:budget=0.25,...] [--quantizers]
+        [--methods full h2o snapkv:budget=0.25 ...] [--quantizers]
     python benchmarks/eviction_gpu_memory.py 2048 --quantizers --layers 2 --narrow   # a CPU check (float32)
 
 `--narrow` keeps the attention geometry (what the caches see) with a 512-wide residual stream and
@@ -167,9 +167,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="prefill peak, KV bytes and decode speed of any cache (GPU)")
     parser.add_argument("contexts", type=int, nargs="*", default=[8192, 32768])
     parser.add_argument("--budget-s", type=float, default=300.0, help="skip cells once this many seconds have passed")
-    parser.add_argument("--methods", type=lambda text: text.split(";") if ";" in text else text.split(" "),
-                        default=None, help="method specs, space- or ;-separated (NAME or NAME:KEY=VALUE,...), "
-                                           "full first for the ratios; default: every eviction method")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="method specs (NAME or NAME:KEY=VALUE,...), full first for the ratios; "
+                             "default: every eviction method at budget 0.5")
     parser.add_argument("--quantizers", action="store_true", help=f"every quantizer: {' '.join(QUANTIZERS)}")
     parser.add_argument("--layers", type=int, default=LAYERS, help="random Llama-8B-shaped layers")
     parser.add_argument("--narrow", action="store_true", help="a narrow residual stream and MLP (a CPU check)")

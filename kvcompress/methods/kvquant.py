@@ -29,9 +29,10 @@ outliers). Q-Norm is not built. `residual` (a full-precision window of the most 
 default as in the paper) is this project's knob for comparing with KIVI. The tokens of the current
 call attend exactly (as KIVI's prefill and TurboQuant do); their codes serve later calls.
 
-This module is the plain MLX reference (no fused kernel): attention dequantizes the held codes per
-call, a transient. `live_kv_bytes` counts the packed codes, the per-token and per-channel scales,
-the codebooks, the sparse outliers, the sinks and the residual.
+This module is the plain MLX reference (no fused kernel): every call dequantizes the coded rows
+held before it, a transient built in blocks (base.dequantized_blocks, so its peak stays one block's
+floats), and runs MLX's fused attention. `live_kv_bytes` counts the packed codes, the per-token and
+per-channel scales, the codebooks, the sparse outliers, the sinks and the residual.
 """
 
 from __future__ import annotations

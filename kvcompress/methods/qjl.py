@@ -21,9 +21,11 @@ Recent tokens in full precision, as the reference code: keys are quantized `buff
 (the last T mod buffer are kept), values once they are more than `buffer` tokens old (the last
 `buffer` are kept). The tokens of the current call attend to each other exactly (as TurboQuant's).
 
-Attention runs on the codes: the query is sketched once, S q against the stored signs is one matmul,
-the outlier terms go through the o outlier channels per group (S's columns at those channels
-against the signs: T x m x o work, not T x m x D), and values are read by `mx.quantized_matmul`.
+A decode step attends on the codes: the query is sketched once, S q against the stored signs is one
+matmul, the outlier terms go through the o outlier channels per group (S's columns at those channels
+against the signs: T x m x o work, not T x m x D), and values are read by `mx.quantized_matmul`. A
+prefill chunk (or a model with sinks) dequantizes the quantized tokens once, in blocks, as the
+estimator reads them, and runs MLX's fused attention (`prefill_attention`; docs/methods.md: its peak).
 
 Departures from the reference code: S is i.i.d. Gaussian (the paper's estimator; the code
 orthogonalizes its rows in blocks of D, which makes the estimator slightly biased); the inlier

@@ -17,6 +17,8 @@ Attention runs on the codes: the query is rotated (and sketched) once, scores co
 codebook entries of the codes, and the value side's weighted sum is taken in the rotated space and
 rotated back once. The tokens of the current call (a prompt chunk, a decode step's token) attend to
 each other exactly, as KIVI's full-precision residual does; their codes serve every later call.
+That is a decode step's path; a prefill chunk (or a model with sinks) dequantizes the held tokens
+once, in blocks, and runs MLX's fused attention (`prefill_attention`, docs/methods.md: its peak).
 
 Fractional widths (2.5, 3.5 per side; the paper's Section 4.3 "outlier" split, built as mlx-vlm
 builds it): the channels are split into an outlier set and the rest, and each set gets its own

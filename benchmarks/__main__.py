@@ -87,7 +87,8 @@ def kernels(gpu: bool, quick: bool, results: Path) -> list[list[str]]:
 
 def memory(gpu: bool, quick: bool, results: Path) -> list[list[str]]:
     if gpu:
-        return [["eviction_gpu_memory.py", "32768", "131072", "--budget-s", "540"]]
+        return [["eviction_gpu_memory.py", "32768", "131072", "--budget-s", "540"],
+                ["eviction_gpu_memory.py", "8192", "32768", "--quantizers", "--budget-s", "150"]]
     composition = ["--context", "256", "--continuation", "4", "--samples", "1"] if quick else []
     return [["kivi_cpu.py", "memory"], ["eviction_cpu_8k.py", *(["1024"] if quick else []), "full", "h2o", "snapkv"],
             ["composition_cpu.py", *composition]]

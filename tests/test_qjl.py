@@ -13,7 +13,7 @@ import pytest
 import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
-from kvcompress.methods import method_config
+from kvcompress.methods import base, method_config
 from kvcompress.methods.qjl import QjlCache, sketch
 from model_fixtures import next_token_kl
 
@@ -130,6 +130,25 @@ def test_attention_on_the_codes_equals_attention_over_what_they_stand_for(chunk)
                              sinks[None, :, None, None]], axis=-1)
     ref = mx.softmax(logits, axis=-1)[..., :-1] @ mx.repeat(values, 3, axis=1)
     assert float(mx.abs(out - ref).max()) < 1e-4
+
+
+@pytest.mark.parametrize("chunk", [16, 30])  # 30: the call flushes a buffer holding 12 of its own tokens
+def test_the_prefill_path_equals_the_codes_path_on_the_same_cache(chunk, monkeypatch):
+    """A prefill chunk dequantizes the quantized tokens once (in blocks of 40 rows here: one ends
+    mid-group) and runs MLX's fused attention; on the same cache state and queries, that equals
+    attention on the codes."""
+    monkeypatch.setattr(base, "DEQUANTIZE_BLOCK", 40)
+    cache, _, _ = _filled(T=84, prompt=64, buffer=32)
+    k_new = mx.random.normal((1, 2, chunk, 64), key=mx.random.key(21))
+    v_new = mx.random.normal((1, 2, chunk, 64), key=mx.random.key(22))
+    cache.update_and_fetch(k_new, v_new)
+    cache._fresh = None
+    q = mx.random.normal((1, 6, chunk, 64), key=mx.random.key(23))
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0, 1.0, -0.5])
+    for mask, sink in (("causal", None), (None, None), ("causal", sinks)):
+        fast = cache.prefill_attention(q, k_new, v_new, 0.125, mask, sink)
+        codes = cache.attention_on_codes(q, k_new, v_new, 0.125, mask, sink)
+        assert float(mx.abs(fast - codes).max()) < 1e-4
 
 
 def test_config_validates_and_saves_and_loads(tmp_path):

@@ -13,7 +13,8 @@ import pytest
 import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
-from kvcompress.methods import method_config
+from kvcompress.methods import base, method_config
+from kvcompress.methods.base import attends_on_codes
 from kvcompress.methods.turboquant import TurboQuantCache, codebook, pack, unpack
 from model_fixtures import next_token_kl
 
@@ -34,6 +35,11 @@ def test_pack_round_trips_and_holds_bits_per_code(bits, dim):
     words = pack(codes, bits)
     assert words.shape == (2, 3, 7, -(-dim * bits // 32)) and words.dtype == mx.uint32
     assert bool(mx.all(unpack(words, bits, dim) == codes))
+    # the layout (kernels read it): bit i of code j is bit (j * bits + i) of the little-endian stream
+    stream = (np.array(codes)[..., None] >> np.arange(bits)) & 1  # [..., dim, bits]
+    stream = np.concatenate([stream.reshape(2, 3, 7, -1), np.zeros((2, 3, 7, -dim * bits % 32), np.uint32)], -1)
+    expected = (stream.reshape(2, 3, 7, -1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+    np.testing.assert_array_equal(np.array(words), expected.astype(np.uint32))
 
 
 def _filled(key_bits=4, value_bits=4, T=80, D=64, H=2, seed=0, qjl=True):
@@ -74,6 +80,25 @@ def test_attention_on_the_codes_equals_attention_over_what_they_stand_for(bits):
                              sinks[None, :, None, None]], axis=-1)
     ref = mx.softmax(logits, axis=-1)[..., :-1] @ mx.repeat(values, 3, axis=1)
     assert float(mx.abs(out - ref).max()) < 1e-4
+
+
+@pytest.mark.parametrize("bits", [(2, 2, True), (4, 3, True), (3.5, 2.5, True), (3, 4, False)])
+def test_the_prefill_path_equals_the_codes_path_on_the_same_cache(bits, monkeypatch):
+    """A prefill chunk dequantizes the held tokens once (in blocks: 3 of 32 rows here) and runs MLX's
+    fused attention; on the same cache state and queries, that equals attention on the codes."""
+    monkeypatch.setattr(base, "DEQUANTIZE_BLOCK", 32)
+    cache, _, _ = _filled(*bits[:2], qjl=bits[2])
+    k_new = mx.random.normal((1, 2, 6, 64), key=mx.random.key(21))
+    v_new = mx.random.normal((1, 2, 6, 64), key=mx.random.key(22))
+    cache.update_and_fetch(k_new, v_new)
+    q = mx.random.normal((1, 6, 6, 64), key=mx.random.key(23))  # 18 query rows per KV head: a prefill chunk
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0, 1.0, -0.5])
+    for mask, sink in (("causal", None), (None, None), ("causal", sinks)):
+        fast = cache.prefill_attention(q, k_new, v_new, 0.125, mask, sink)
+        codes = cache.attention_on_codes(q, k_new, v_new, 0.125, mask, sink)
+        assert float(mx.abs(fast - codes).max()) < 1e-4
+    assert not attends_on_codes(q, 2, None) and attends_on_codes(q[:, :, :2], 2, None)  # 6 rows: a decode step
+    assert not attends_on_codes(q[:, :, :1], 2, sinks)  # sinks: MLX's fused attention, as KIVI
 
 
 def test_the_qjl_residual_makes_the_inner_product_unbiased():

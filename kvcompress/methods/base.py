@@ -230,6 +230,50 @@ def write_rows(arrays: dict[str, mx.array] | None, new: dict[str, mx.array], sta
     return arrays
 
 
+DECODE_ROWS = 8  # query rows per KV head up to which a quantizer attends on its codes: a decode step's GQA group
+DEQUANTIZE_BLOCK = 2048  # held tokens a quantizer's prefill path dequantizes at a time (mlx-lm's prefill chunk)
+
+
+def attends_on_codes(queries: mx.array, kv_heads: int, sinks: mx.array | None) -> bool:
+    """Whether a quantizer's call attends on its codes (a decode step: at most DECODE_ROWS query rows
+    per KV head, no sinks) rather than through `attention_over` (a prefill chunk, or sinks).
+    queries [B, H_q, L, D]."""
+    return sinks is None and queries.shape[1] // kv_heads * queries.shape[2] <= DECODE_ROWS
+
+
+def dequantized_blocks(dequantize, start: int, end: int, dtype: mx.Dtype) -> list[mx.array]:
+    """Held codes dequantized for a quantizer's prefill path: dequantize(a, b) gives rows a..b of one
+    side, [B, H_kv, b - a, D] float32, exactly what its codes path scores or sums (so the two paths
+    agree to float rounding). Rows start..end, DEQUANTIZE_BLOCK at a time, each block cast to `dtype`
+    and evaluated before the next is made: a layer's float32 transients stay one block's, not the
+    context's (MLX evaluates independent branches of a graph side by side, so unevaluated blocks
+    would all be in flight at once: measured on TurboQuant-4 keys, 8k tokens, 8 KV heads, the
+    transients were 7x the keys' float32 size with every block in flight, 1x one block at a time)."""
+    blocks = []
+    for a in range(start, end, DEQUANTIZE_BLOCK):
+        blocks.append(dequantize(a, min(end, a + DEQUANTIZE_BLOCK)).astype(dtype))
+        if end - start > DEQUANTIZE_BLOCK:
+            mx.eval(blocks[-1])
+    return blocks
+
+
+def attention_over(queries: mx.array, keys: list[mx.array], values: list[mx.array], scale: float, mask,
+                   sinks: mx.array | None = None) -> mx.array:
+    """A quantizer's prefill path: MLX's fused attention of queries [B, H_q, L, D] over pieces of
+    keys and values [B, H_kv, n, D] in token order (dequantized blocks, the exactly held tokens, the
+    call's own), concatenated in the queries' dtype.
+
+    The queries' dtype, as the full cache's attention: float32 on CPU (where the quality runs are, so
+    their numbers do not move), float16 on GPU (MLX's fused kernel accumulates in float32; its CUDA
+    back-end fuses half-precision prefill attention, while a float32 call may take the unfused path,
+    which materializes a [B, H_q, L, T] score matrix)."""
+    dtype = queries.dtype
+    k, v = ([a.astype(dtype) for a in side if a.shape[2]] for side in (keys, values))
+    k = mx.concatenate(k, axis=2) if len(k) > 1 else k[0]
+    v = mx.concatenate(v, axis=2) if len(v) > 1 else v[0]
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
 def check_budget(field: str, budget: int | float) -> None:
     """A budget is a token count (int >= 1) or a fraction of the prompt (float in (0, 1])."""
     is_count = is_int(budget) and budget >= 1

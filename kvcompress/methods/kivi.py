@@ -30,7 +30,7 @@ from mlx_lm.models.cache import create_attention_mask
 from ..kernels.kivi_attention import PackedSide, decode_attention, used_keys, used_values
 from ..kernels.kivi_quant import BITS, GROUP_SIZES, quantize_pack
 from ..errors import ConfigError, check, is_int
-from .base import CompressedCache, Method, PerSideBits, array_bytes
+from .base import CompressedCache, Method, PerSideBits, array_bytes, attends_on_codes
 
 RESIDUAL_POLICIES = ("paper", "grouped")
 VALUE_ROWS_STEP = 256  # spare value rows allocated at a time while decoding
@@ -204,8 +204,7 @@ class KiviCache(CompressedCache):
 
     def attention(self, queries, keys: PackedSide, values: PackedSide, scale, mask, sinks=None):
         # queries [B, H_q, L, D]; keys/values: the sides update_and_fetch returned; sinks [H_q] or None
-        B, n_q, L, D = queries.shape
-        if sinks is None and n_q // keys.residual.shape[1] * L <= 8:  # decode: attention on the codes
+        if attends_on_codes(queries, keys.residual.shape[1], sinks):  # decode: attention on the codes
             return decode_attention(queries, keys, values, scale, mask, self.key_bits, self.value_bits, self.group_size)
         # a prefill chunk: its own tokens dominate the work, so dequantize the codes once and use
         # MLX's fused attention (GQA and masks handled there) instead of many-row quantized matmuls.

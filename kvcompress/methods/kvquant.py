@@ -29,9 +29,10 @@ outliers). Q-Norm is not built. `residual` (a full-precision window of the most 
 default as in the paper) is this project's knob for comparing with KIVI. The tokens of the current
 call attend exactly (as KIVI's prefill and TurboQuant do); their codes serve later calls.
 
-This module is the plain MLX reference (no fused kernel): attention dequantizes the held codes per
-call, a transient. `live_kv_bytes` counts the packed codes, the per-token and per-channel scales,
-the codebooks, the sparse outliers, the sinks and the residual.
+This module is the plain MLX reference (no fused kernel): every call dequantizes the coded rows
+held before it, a transient built in blocks (base.dequantized_blocks, so its peak stays one block's
+floats), and runs MLX's fused attention. `live_kv_bytes` counts the packed codes, the per-token and
+per-channel scales, the codebooks, the sparse outliers, the sinks and the residual.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from ..adapter import POSITIONAL_ROPES, positional_rope
 from ..attention import install
 from ..errors import ConfigError, check, is_int
 from ..kernels.evict import rotate_pairs
-from .base import CompressedCache, Method, PerSideBits, array_bytes
+from .base import CompressedCache, Method, PerSideBits, array_bytes, attention_over, dequantized_blocks
 from .eviction import rope_rotations
 from .turboquant import pack, unpack
 
@@ -321,21 +322,38 @@ class KVQuantCache(CompressedCache):
 
     def dequantize_coded(self) -> tuple[mx.array, mx.array]:
         """The coded tokens' pre-RoPE keys and values [B, H, n_coded, D], float32."""
-        c, r = self.calib, self._used()
-        B, H, n = r["v_zero"].shape
-        Dk, Dv = c["k_zero"].shape[1], r["v_codes"].shape[-1] * 32 // self.value_bits
-        normal = lookup(c["k_book"], unpack(r["k_codes"], self.key_bits, Dk))
+        return self.coded_keys(0, self.n_coded), self.coded_values(0, self.n_coded)
+
+    def coded_keys(self, start: int, end: int) -> mx.array:
+        """Coded rows start..end's pre-RoPE keys [B, H, end - start, Dk], float32: codebook entries
+        scaled per channel, the sparse outliers in place of their dense entries."""
+        c, codes = self.calib, self.rows["k_codes"][:, :, start:end]
+        B, H, n = codes.shape[:3]
+        Dk = c["k_zero"].shape[1]
+        normal = lookup(c["k_book"], unpack(codes, self.key_bits, Dk))
         keys = normal * c["k_half"].astype(mx.float32)[None, :, None] + c["k_zero"].astype(mx.float32)[None, :, None]
-        if self.k_out_index.size:  # the sparse outliers replace their dense entries
-            flat = keys.transpose(2, 0, 1, 3).reshape(-1)
-            flat[self.k_out_index] = self.k_out_values.astype(mx.float32)
-            keys = flat.reshape(n, B, H, Dk).transpose(1, 2, 0, 3)
-        values = lookup(c["v_book"], unpack(r["v_codes"], self.value_bits, Dv))
+        if self.k_out_index.size:
+            # the outliers' flat indices are token-major over every coded row: those of other rows go to
+            # one spare slot past the block's entries, dropped after the scatter
+            size = n * B * H * Dk
+            local = self.k_out_index - start * B * H * Dk
+            local = mx.where((local >= 0) & (local < size), local, size)
+            flat = mx.concatenate([keys.transpose(2, 0, 1, 3).reshape(-1), mx.zeros((1,), mx.float32)])
+            flat[local] = self.k_out_values.astype(mx.float32)
+            keys = flat[:size].reshape(n, B, H, Dk).transpose(1, 2, 0, 3)
+        return keys
+
+    def coded_values(self, start: int, end: int) -> mx.array:
+        """Coded rows start..end's values [B, H, end - start, Dv], float32: codebook entries scaled per
+        token, the per-token outliers in place."""
+        r = {name: a[:, :, start:end] for name, a in self.rows.items()}
+        Dv = r["v_codes"].shape[-1] * 32 // self.value_bits
+        values = lookup(self.calib["v_book"], unpack(r["v_codes"], self.value_bits, Dv))
         values = values * r["v_half"].astype(mx.float32)[..., None] + r["v_zero"].astype(mx.float32)[..., None]
         if r["v_out_channels"].shape[-1]:
             values = mx.put_along_axis(values, r["v_out_channels"].astype(mx.int32),
                                        r["v_out_values"].astype(mx.float32), axis=-1)
-        return keys, values
+        return values
 
     # -- mlx-lm protocol ----------------------------------------------------------------------------
 
@@ -380,17 +398,26 @@ class KVQuantCache(CompressedCache):
                 mx.concatenate([v.astype(self.dtype) for v in values], axis=2))
 
     def attention(self, queries, keys, values, scale, mask, sinks=None):
-        # queries [B, H_q, L, Dk] post-RoPE; keys, values: this cache (update_and_fetch returned it)
-        k, v = self.dequantized()
-        if self._fresh is not None:  # the call's own tokens exactly; their codes serve later calls
-            fresh_k, fresh_v = self._fresh
-            self._fresh = None
-            S = fresh_k.shape[2]
-            k = mx.concatenate([k[:, :, : k.shape[2] - S], fresh_k.astype(k.dtype)], axis=2)
-            v = mx.concatenate([v[:, :, : v.shape[2] - S], fresh_v.astype(v.dtype)], axis=2)
-        dtype = queries.dtype
-        return mx.fast.scaled_dot_product_attention(queries, k.astype(dtype), v.astype(dtype), scale=scale, mask=mask,
-                                                    sinks=sinks)
+        """Attention of queries [B, H_q, L, Dk] (post-RoPE) over the tokens held before the call as
+        attention sees them (`dequantized`), then the call's own exactly, through MLX's fused
+        attention (base.attention_over). No attention on the codes is built: every call, decode steps
+        included, dequantizes the coded rows, DEQUANTIZE_BLOCK at a time, so a layer's float32
+        transients stay a block's and the peak stays near the full cache's."""
+        fresh_k, fresh_v = ([], []) if self._fresh is None else ([a] for a in self._fresh)
+        self._fresh = None
+        before = self.offset - sum(k.shape[2] for k in fresh_k)  # the tokens held before this call
+        n_sinks = min(before, 0 if self.sink_keys is None else self.sink_keys.shape[2])
+        n_coded = min(self.n_coded, before - n_sinks)
+        n_residual = before - n_sinks - n_coded  # the residual's first ones (the rest are the call's)
+        dtype = self.dtype
+        keys = dequantized_blocks(lambda a, b: self._rotate(self.coded_keys(a, b), self.n_sink + a, 1), 0, n_coded,
+                                  dtype)
+        values = dequantized_blocks(self.coded_values, 0, n_coded, dtype)
+        if n_sinks:
+            keys.insert(0, self.sink_keys[:, :, :n_sinks]), values.insert(0, self.sink_values[:, :, :n_sinks])
+        if n_residual:
+            keys.append(self.keys[:, :, :n_residual]), values.append(self.values[:, :, :n_residual])
+        return attention_over(queries, keys + fresh_k, values + fresh_v, scale, mask, sinks)
 
     def make_mask(self, N, return_array=False, window_size=None):
         # every token is held, in order: plain causal over offset + N keys

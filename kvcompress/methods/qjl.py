@@ -21,9 +21,11 @@ Recent tokens in full precision, as the reference code: keys are quantized `buff
 (the last T mod buffer are kept), values once they are more than `buffer` tokens old (the last
 `buffer` are kept). The tokens of the current call attend to each other exactly (as TurboQuant's).
 
-Attention runs on the codes: the query is sketched once, S q against the stored signs is one matmul,
-the outlier terms go through the o outlier channels per group (S's columns at those channels
-against the signs: T x m x o work, not T x m x D), and values are read by `mx.quantized_matmul`.
+A decode step attends on the codes: the query is sketched once, S q against the stored signs is one
+matmul, the outlier terms go through the o outlier channels per group (S's columns at those channels
+against the signs: T x m x o work, not T x m x D), and values are read by `mx.quantized_matmul`. A
+prefill chunk (or a model with sinks) dequantizes the quantized tokens once, in blocks, as the
+estimator reads them, and runs MLX's fused attention (`prefill_attention`; docs/methods.md: its peak).
 
 Departures from the reference code: S is i.i.d. Gaussian (the paper's estimator; the code
 orthogonalizes its rows in blocks of D, which makes the estimator slightly biased); the inlier
@@ -43,7 +45,8 @@ import numpy as np
 from ..attention import install, masked_softmax
 from ..errors import ConfigError, check, is_int
 from ..kernels.kivi_quant import BITS as VALUE_BITS, GROUP_SIZES, quantize_pack
-from .base import CompressedCache, Method, array_bytes, write_rows
+from .base import (CompressedCache, Method, array_bytes, attends_on_codes, attention_over, dequantized_blocks,
+                   write_rows)
 from .turboquant import pack, unpack
 
 KEY_NAMES = ("k_in_norms", "k_out_norms", "k_out_signs", "k_signs")  # one row per quantized key
@@ -223,12 +226,31 @@ class QjlCache(CompressedCache):
         return (n_quantized, tail) if n_quantized <= T - S else (T - S, fresh)
 
     def attention(self, queries, keys, values, scale, mask, sinks=None):
-        """Softmax attention of queries [B, H_q, L, Dk] over the held tokens, on the codes."""
+        """Softmax attention of queries [B, H_q, L, Dk] over the held tokens: on the codes for a
+        decode step, through the quantized tokens dequantized once for a prefill chunk (or sinks)."""
+        fresh_k, fresh_v = self._fresh if self._fresh is not None else (None, None)
+        self._fresh = None
+        if not attends_on_codes(queries, self.dims[0], sinks):
+            return self.prefill_attention(queries, fresh_k, fresh_v, scale, mask, sinks)
+        return self.attention_on_codes(queries, fresh_k, fresh_v, scale, mask, sinks)
+
+    def prefill_attention(self, queries, fresh_k, fresh_v, scale, mask, sinks=None):
+        """A prefill chunk's attention: the quantized tokens before the exact ones dequantized once (keys
+        as the estimator's dequantization, so <q, k> is the codes path's score), then the exact rows,
+        MLX's fused attention (`dequantized_attention`). The codes path's [B, H, G*L, T] float32
+        scores would be GiBs a layer at a 2048-token chunk over a 32k context."""
+        nk, exact_k = self._exact(self.key_tail, fresh_k, self.n_keys)
+        nv, exact_v = self._exact(self.value_tail, fresh_v, self.n_values)
+        keys = dequantized_blocks(self.dequantized_keys, 0, nk, queries.dtype)
+        values = dequantized_blocks(self.dequantized_values, 0, nv, queries.dtype)
+        return attention_over(queries, keys + [exact_k], values + [exact_v], scale, mask, sinks)
+
+    def attention_on_codes(self, queries, fresh_k, fresh_v, scale, mask, sinks=None):
+        """A decode step's attention on the codes: the query sketched once against the stored signs,
+        values by `mx.quantized_matmul`, the exact rows as they are."""
         B, n_q, L, Dk = queries.shape
         H, _, Dv = self.dims
         G, T = n_q // H, self.offset
-        fresh_k, fresh_v = self._fresh if self._fresh is not None else (None, None)
-        self._fresh = None
         q = queries.astype(mx.float32).reshape(B, H, G * L, Dk)
         nk, exact_k = self._exact(self.key_tail, fresh_k, self.n_keys)
         scores = q @ exact_k.astype(mx.float32).swapaxes(-1, -2)
@@ -244,27 +266,37 @@ class QjlCache(CompressedCache):
         return out.reshape(B, n_q, L, Dv).astype(queries.dtype)
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
-        """Keys and values [B, H, T, D] as attention sees them. A quantized key is the estimator's
-        dequantization: sqrt(pi/2)/m ||k_in|| (S^T sign(S k_in)) on its inlier channels plus
-        sqrt(pi/2)/m_out ||k_out|| (S_out^T sign(S_out k_out)) on its outlier channels."""
-        H, Dk, Dv = self.dims
+        """Keys and values [B, H, T, D] as attention sees them, float32: the quantized rows
+        (`dequantized_keys`, `dequantized_values`), then the full-precision tails."""
         keys, values = [self.key_tail.astype(mx.float32)], [self.value_tail.astype(mx.float32)]
         if self.n_keys:
-            n, G = self.n_keys, self.group_size
-            signs = unpack(self.key_codes["k_signs"][:, :, :n], 1, self.m).astype(mx.float32) * 2 - 1
-            signs_out = unpack(self.key_codes["k_out_signs"][:, :, :n], 1, self.m_out).astype(mx.float32) * 2 - 1
-            mask = one_hot(self.key_groups["k_outliers"][:, :, : n // G], Dk).sum(-1)  # [B, H, n/G, D]
-            mask = mx.repeat(mask, G, axis=2)  # [B, H, n, D]
-            k_in = math.sqrt(math.pi / 2) / self.m * self.key_codes["k_in_norms"][:, :, :n].astype(mx.float32)[..., None] \
-                * (signs @ self.S[: self.m])
-            k_out = math.sqrt(math.pi / 2) / self.m_out * self.key_codes["k_out_norms"][:, :, :n].astype(mx.float32)[..., None] \
-                * (signs_out @ self.S[: self.m_out])
-            keys.insert(0, (1 - mask) * k_in + mask * k_out)
+            keys.insert(0, self.dequantized_keys(0, self.n_keys))
         if self.n_values:
-            codes, scales, zeros = (self.value_codes[name][:, :, : self.n_values] for name in VALUE_NAMES)
-            values.insert(0, mx.dequantize(codes, scales, zeros, group_size=self.group_size, bits=self.value_bits)
-                          .astype(mx.float32))
+            values.insert(0, self.dequantized_values(0, self.n_values))
         return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
+
+    def dequantized_keys(self, start: int, end: int) -> mx.array:
+        """Quantized keys start..end [B, H, end - start, Dk] float32, the estimator's dequantization:
+        sqrt(pi/2)/m ||k_in|| (S^T sign(S k_in)) on a key's inlier channels plus sqrt(pi/2)/m_out
+        ||k_out|| (S_out^T sign(S_out k_out)) on its group's outlier channels."""
+        Dk, G = self.dims[1], self.group_size
+        first, last = start // G, -(-end // G)  # the groups the rows lie in
+        rows = slice(first * G, last * G)
+        signs = unpack(self.key_codes["k_signs"][:, :, rows], 1, self.m).astype(mx.float32) * 2 - 1
+        signs_out = unpack(self.key_codes["k_out_signs"][:, :, rows], 1, self.m_out).astype(mx.float32) * 2 - 1
+        mask = one_hot(self.key_groups["k_outliers"][:, :, first:last], Dk).sum(-1)  # [B, H, groups, D]
+        mask = mx.repeat(mask, G, axis=2)  # [B, H, rows, D]
+        k_in = math.sqrt(math.pi / 2) / self.m * self.key_codes["k_in_norms"][:, :, rows].astype(mx.float32)[..., None] \
+            * (signs @ self.S[: self.m])
+        k_out = math.sqrt(math.pi / 2) / self.m_out * self.key_codes["k_out_norms"][:, :, rows].astype(mx.float32)[..., None] \
+            * (signs_out @ self.S[: self.m_out])
+        keys = (1 - mask) * k_in + mask * k_out
+        return keys[:, :, start - first * G : end - first * G]
+
+    def dequantized_values(self, start: int, end: int) -> mx.array:
+        """Quantized values start..end [B, H, end - start, Dv] float32."""
+        codes, scales, zeros = (self.value_codes[name][:, :, start:end] for name in VALUE_NAMES)
+        return mx.dequantize(codes, scales, zeros, group_size=self.group_size, bits=self.value_bits).astype(mx.float32)
 
     def make_mask(self, N, return_array=False, window_size=None):
         return mlx_cache.create_attention_mask(N, self.offset, return_array, window_size)

@@ -17,6 +17,8 @@ Attention runs on the codes: the query is rotated (and sketched) once, scores co
 codebook entries of the codes, and the value side's weighted sum is taken in the rotated space and
 rotated back once. The tokens of the current call (a prompt chunk, a decode step's token) attend to
 each other exactly, as KIVI's full-precision residual does; their codes serve every later call.
+That is a decode step's path; a prefill chunk (or a model with sinks) dequantizes the held tokens
+once, in blocks, and runs MLX's fused attention (`prefill_attention`, docs/methods.md: its peak).
 
 Fractional widths (2.5, 3.5 per side; the paper's Section 4.3 "outlier" split, built as mlx-vlm
 builds it): the channels are split into an outlier set and the rest, and each set gets its own
@@ -29,8 +31,8 @@ bits, 32 at 2). The paper's example for 2.5 bits splits 32 of 128 channels at 3 
 mlx-vlm's count, where the codes alone average the named width. mlx-vlm's `bits=3.5` alone means keys 3, values 4 (no
 split); here `bits=3.5` splits both sides, and key_bits / value_bits set each side.
 
-The attention here is the plain MLX reference: it gathers the codebook entries of the held codes per
-call, a transient, not a stored copy. A decode call (at most 8 query rows a KV head, no sinks, an
+The decode path above is the plain MLX reference: it gathers the codebook entries of the held codes
+per call, a transient, not a stored copy. A decode call (at most 8 query rows a KV head, no sinks, an
 integer width, head dim 32 / 64 / 128) on a GPU instead runs the fused kernel of
 kvcompress/kernels/turboquant_attention.py over the codes (CUDA and Metal from one body, chosen and
 self-tested through kernels/dispatch.py): the held tokens' softmax part there, the call's own tokens
@@ -54,7 +56,8 @@ import numpy as np
 from ..attention import install, masked_softmax
 from ..errors import check
 from ..kernels import turboquant_attention
-from .base import CompressedCache, Method, PerSideBits, array_bytes, write_rows
+from .base import (CompressedCache, Method, PerSideBits, array_bytes, attends_on_codes, attention_over,
+                   dequantized_blocks, write_rows)
 
 BITS = (2, 2.5, 3, 3.5, 4)
 
@@ -137,28 +140,52 @@ def sketch_matrix(heads: int, dim: int, seed: int) -> mx.array:
 
 def pack(codes: mx.array, bits: int) -> mx.array:
     """codes [..., D] (ints < 2^bits) -> [..., ceil(D * bits / 32)] uint32, a little-endian bit
-    stream (the last word zero-padded where D * bits is not a multiple of 32)."""
-    shifts = mx.arange(bits, dtype=mx.uint32)
+    stream (the last word zero-padded where D * bits is not a multiple of 32). 32 codes fill `bits`
+    words exactly; word k of such a group is the sum (an OR: the fields are disjoint) of the run of
+    codes that overlap it, each shifted to where it starts (bits past 32 drop: they belong to the next
+    word), the first shifted down where it began in word k - 1. The transients stay [..., D] (not a
+    [..., D * bits] bit array: a prefill chunk's quantization must not hold `bits` x its codes)."""
     *lead, dim = codes.shape
-    stream = ((codes.astype(mx.uint32)[..., None] >> shifts) & 1).reshape(*lead, dim * bits)  # [..., D*bits]
-    pad = -dim * bits % 32
+    pad = -dim % 32
+    codes = codes.astype(mx.uint32)
     if pad:
-        stream = mx.concatenate([stream, mx.zeros((*lead, pad), mx.uint32)], axis=-1)
-    stream = stream.reshape(*lead, (dim * bits + pad) // 32, 32)  # [..., W, 32]
-    return (stream << mx.arange(32, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+        codes = mx.concatenate([codes, mx.zeros((*lead, pad), mx.uint32)], axis=-1)
+    groups = codes.reshape(*lead, (dim + pad) // 32, 32)  # [..., n_groups, 32]
+    words = []
+    for k in range(bits):
+        first, last = 32 * k // bits, min(31, (32 * k + 31) // bits)  # the codes overlapping word k
+        start = np.arange(first, last + 1) * bits - 32 * k  # where each starts in word k (< 0: in word k - 1)
+        up, down = (mx.array(np.maximum(sign * start, 0).astype(np.uint32)) for sign in (1, -1))
+        words.append(((groups[..., first : last + 1] << up) >> down).sum(axis=-1).astype(mx.uint32))
+    words = mx.stack(words, axis=-1).reshape(*lead, -1)  # [..., n_groups * bits]
+    return words[..., : -(-dim * bits // 32)]
 
 
 def unpack(words: mx.array, bits: int, dim: int) -> mx.array:
-    """The inverse of `pack`: [..., W] uint32 -> codes [..., dim] uint32."""
-    stream = ((words[..., None] >> mx.arange(32, dtype=mx.uint32)) & 1).reshape(*words.shape[:-1], words.shape[-1] * 32)
-    stream = stream[..., : dim * bits].reshape(*words.shape[:-1], dim, bits)
-    return (stream << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+    """The inverse of `pack`: [..., W] uint32 -> codes [..., dim] uint32. Code j sits at bit j * bits:
+    its low part in word j * bits // 32, shifted down, and where it straddles two words, its high part
+    at the bottom of the next. Works on gathered words, [..., dim] at a time (not a [..., W, 32] bit
+    array: the dequantization of a long context must not hold `bits` x its codes' floats)."""
+    start = np.arange(dim) * bits
+    word, shift = start // 32, start % 32
+    low = mx.take(words, mx.array(word.astype(np.int32)), axis=-1) >> mx.array(shift.astype(np.uint32))
+    straddles = shift + bits > 32
+    if straddles.any():
+        high = mx.take(words, mx.array(np.minimum(word + 1, words.shape[-1] - 1).astype(np.int32)), axis=-1)
+        up = mx.array(np.where(straddles, 32 - shift, 0).astype(np.uint32))  # 0: no high part (masked below)
+        low = low | mx.where(mx.array(straddles), high << up, 0).astype(mx.uint32)
+    return low & (2**bits - 1)
 
 
 def nearest(u: mx.array, centroids: mx.array) -> mx.array:
-    """Index of the nearest centroid (ascending) for each coordinate of u."""
-    edges = (centroids[1:] + centroids[:-1]) / 2
-    return (u[..., None] > edges).sum(axis=-1).astype(mx.uint32)
+    """Index of the nearest centroid (ascending) for each coordinate of u: the number of cell edges
+    (midpoints, float32) below it, counted one edge at a time in uint8 (not a [..., 2^b - 1] array of
+    comparisons as wide as u's floats x 2^b / 4)."""
+    c = np.array(centroids, np.float32)
+    code = mx.zeros(u.shape, mx.uint8)
+    for edge in (c[1:] + c[:-1]) / 2:
+        code = code + (u > float(edge))
+    return code.astype(mx.uint32)
 
 
 class Codec:
@@ -248,10 +275,10 @@ class Side:
     def names(self) -> list[str]:
         return [f"{prefix}_{name}" for prefix, _, codec in self.parts for name in codec.names()]
 
-    def _each(self, x: mx.array | None, arrays: dict[str, mx.array], rows: int):
+    def _each(self, x: mx.array | None, arrays: dict[str, mx.array], rows: int, start: int = 0):
         for prefix, channels, codec in self.parts:
             own = None if x is None else (x if channels is None else mx.take(x, channels, axis=-1))
-            yield own, {name: arrays[f"{prefix}_{name}"][:, :, :rows] for name in codec.names()}, codec
+            yield own, {name: arrays[f"{prefix}_{name}"][:, :, start:rows] for name in codec.names()}, codec
 
     def quantize(self, x: mx.array) -> dict[str, mx.array]:
         """x [B, H, S, D] -> every part's stored arrays, by name."""
@@ -272,8 +299,9 @@ class Side:
     def weighted_sum(self, weights: mx.array, arrays: dict[str, mx.array], rows: int) -> mx.array:
         return self._merge([codec.weighted_sum(weights, a) for _, a, codec in self._each(None, arrays, rows)])
 
-    def dequantize(self, arrays: dict[str, mx.array], rows: int) -> mx.array:
-        return self._merge([codec.dequantize(a) for _, a, codec in self._each(None, arrays, rows)])
+    def dequantize(self, arrays: dict[str, mx.array], rows: int, start: int = 0) -> mx.array:
+        """Tokens start..rows as `scores` / `weighted_sum` see them: [B, H, rows - start, D] float32."""
+        return self._merge([codec.dequantize(a) for _, a, codec in self._each(None, arrays, rows, start)])
 
     def coded(self, arrays: dict[str, mx.array]) -> turboquant_attention.Coded | None:
         """The fused decode kernel's view of an integer width (its codec and whole buffers); None for a
@@ -331,15 +359,34 @@ class TurboQuantCache(CompressedCache):
         return {name: a[:, :, : self.offset] for name, a in self.arrays.items()}
 
     def attention(self, queries, keys, values, scale, mask, sinks=None):
-        """Softmax attention of queries [B, H_q, L, Dk] over the held tokens, on the codes."""
-        B, n_q, L, Dk = queries.shape
-        H, _, Dv = self.dims
-        G, T = n_q // H, self.offset
+        """Softmax attention of queries [B, H_q, L, Dk] over the held tokens: on the codes for a
+        decode step, through the held tokens dequantized once for a prefill chunk (or sinks)."""
         # the tokens stored before this call attend through their codes; the call's own S tokens
         # (a prompt chunk, or a decode step's token) exactly, as KIVI's residual: their codes are
         # stored for the queries of later calls
         fresh_k, fresh_v = self._fresh if self._fresh is not None else (None, None)
         self._fresh = None
+        if not attends_on_codes(queries, self.dims[0], sinks):
+            return self.prefill_attention(queries, fresh_k, fresh_v, scale, mask, sinks)
+        return self.attention_on_codes(queries, fresh_k, fresh_v, scale, mask, sinks)
+
+    def prefill_attention(self, queries, fresh_k, fresh_v, scale, mask, sinks=None):
+        """A prefill chunk's attention: the tokens held before the call dequantized once (keys with
+        the QJL term, so <q, k> is the codes path's score), then the call's own exactly, through MLX's
+        fused attention (base.attention_over). The codes path's [B, H, G*L, T] float32 scores would be
+        GiBs a layer at a 2048-token chunk over a 32k context, far above the full cache."""
+        fresh_k, fresh_v = ([], []) if fresh_k is None else ([fresh_k], [fresh_v])
+        held = self.offset - sum(k.shape[2] for k in fresh_k)
+        keys, values = (dequantized_blocks(lambda a, b, side=side: side.dequantize(self.arrays, b, a), 0, held,
+                                           queries.dtype) for side in (self.key_side, self.value_side))
+        return attention_over(queries, keys + fresh_k, values + fresh_v, scale, mask, sinks)
+
+    def attention_on_codes(self, queries, fresh_k, fresh_v, scale, mask, sinks=None):
+        """A decode step's attention on the codes: the query rotated (and sketched) once, scores from
+        the codebook entries of the held codes, the call's own tokens exactly."""
+        B, n_q, L, Dk = queries.shape
+        H, _, Dv = self.dims
+        G, T = n_q // H, self.offset
         S = 0 if fresh_k is None else fresh_k.shape[2]
         q = queries.astype(mx.float32).reshape(B, H, G * L, Dk)
         # a decode call (a GQA group's rows, no sinks, the held tokens all visible) may take the kernel

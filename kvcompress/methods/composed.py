@@ -63,12 +63,25 @@ def prompt_once_methods() -> list[str]:
                   if issubclass(cls, Eviction) and not cls().evicts_while_decoding and not cls().scoring().reconstructs)
 
 
+def refusal(value: Any) -> str:
+    """Why the quantizer `value` (a config or a mapping naming one) cannot store an eviction method's
+    kept tokens, where it is a registered quantizer that says so ("" otherwise)."""
+    from . import REGISTRY
+
+    name = type(value).name if isinstance(value, Method) else value.get("name") if isinstance(value, dict) else None
+    cls = REGISTRY.get(name) if isinstance(name, str) else None
+    return f"{name} cannot store an eviction method's kept tokens: {cls.store_refusal}" if cls and cls.store_refusal else ""
+
+
 def quantizer_config(owner: Eviction, value: Any) -> Method | None:
     """`owner.quantize` validated into a quantizer config (None stays None); ConfigError naming
     `<method>.quantize...` and the allowed values."""
     if value is None:
         return None
     field, allowed = f"{owner.name}.quantize", quantizers()
+    refused = refusal(value)
+    if refused:
+        raise ConfigError(f"{field}.name: {refused}; expected one of {sorted(allowed)}")
     if isinstance(value, Method):
         if type(value).name not in allowed:
             raise ConfigError(f"{field}: expected a quantizer config, one of {sorted(allowed)}, got {value.label()!r}")

@@ -20,7 +20,7 @@ from kvcompress.runner import RunContext, run_sample
 
 QUANTIZERS = {"none": None, "kivi-4": {"name": "kivi", "bits": 4}, "kivi-2": {"name": "kivi", "bits": 2},
               "turboquant-3": {"name": "turboquant", "bits": 3},
-              "turboquant-3 mse keys": {"name": "turboquant", "bits": 3, "qjl": False}}
+              "turboquant-3 mse keys": {"name": "turboquant", "bits": 3, "qjl": False}, "qjl": {"name": "qjl"}}
 
 
 def methods(budget: float) -> list:

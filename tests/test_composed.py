@@ -22,6 +22,7 @@ from kvcompress.runner import RunContext, decode_step, derive_cache, method_iden
 
 KIVI4 = {"name": "kivi", "bits": 4}
 TQ3 = {"name": "turboquant", "bits": 3}
+QJL = {"name": "qjl"}
 
 
 def test_the_config_names_both_and_configs_without_it_keep_their_identity():
@@ -41,11 +42,26 @@ def test_the_config_names_both_and_configs_without_it_keep_their_identity():
     assert method_config("snapkv", quantize=method_config("kivi", bits=4)) == method_config("snapkv", quantize=KIVI4)
     assert composed.grid_columns() == {"budget": 0.5, "bits": 4.0, "tau_init": None, "tau_end": None}
     assert method_config("snapkv", quantize={"name": "kivi", "key_bits": 4, "value_bits": 2}).grid_columns()["bits"] == 3.0
+    with_qjl = method_config("snapkv", budget=0.5, quantize={"name": "qjl", "value_bits": 4})
+    assert with_qjl.label() == "snapkv budget=0.5 + qjl value_bits=4"
+    assert method_identity(with_qjl)["quantize"] == {
+        "name": "qjl", "sketch_dim": 256, "outlier_sketch_dim": 256, "initial_layers": 15, "initial_sketch_dim": 512,
+        "initial_outlier_sketch_dim": 128, "outliers": 8, "value_bits": 4, "group_size": 32, "buffer": 128, "seed": 0}
+    assert method_config(**with_qjl.to_dict()) == with_qjl
+    assert with_qjl.grid_columns()["bits"] is None  # as plain QJL's: keys have no code width
+
+
+ALLOWED = r"expected one of \['kivi', 'qjl', 'turboquant'\]"
 
 
 @pytest.mark.parametrize("quantize, message", [
-    ({"name": "mlx-quant"}, r"snapkv.quantize.name: expected one of \['kivi', 'turboquant'\], got 'mlx-quant'"),
-    ({"bits": 4}, r"snapkv.quantize.name: expected one of \['kivi', 'turboquant'\], got no name"),
+    ({"name": "full"}, rf"snapkv.quantize.name: {ALLOWED}, got 'full'"),
+    ({"bits": 4}, rf"snapkv.quantize.name: {ALLOWED}, got no name"),
+    # quantizers that cannot be a store say why, and still name the allowed ones
+    ({"name": "kvquant"}, rf"snapkv.quantize.name: kvquant cannot store .* pre-RoPE .* slot index.*; {ALLOWED}$"),
+    ({"name": "mlx-quant", "bits": 4}, rf"snapkv.quantize.name: mlx-quant cannot store .* QuantizedKVCache.*; {ALLOWED}$"),
+    (method_config("kvquant"), rf"snapkv.quantize.name: kvquant cannot store .*; {ALLOWED}$"),
+    ({"name": "qjl", "sketch_dim": 33}, r"snapkv.quantize: qjl.sketch_dim: expected a positive multiple of 32"),
     ({"name": "kivi", "bits": 5}, r"snapkv.quantize: kivi.bits: expected one of 2, 3, 4, 8"),
     ({"name": "kivi", "bitz": 4}, r"snapkv.quantize: kivi.bitz: unknown parameter"),
     ({"name": "kivi", "layers": "all"}, r"snapkv.quantize.layers: the eviction method's own `layers`"),
@@ -104,7 +120,7 @@ def _kl(p_log, q_log) -> float:
     return float(np.max((np.exp(p_log) * (p_log - q_log)).sum(axis=-1)))
 
 
-@pytest.mark.parametrize("quantize", [KIVI4, TQ3])
+@pytest.mark.parametrize("quantize", [KIVI4, TQ3, QJL])
 def test_at_budget_one_the_composed_cache_is_the_plain_quantizer(embedded, essay, quantize):
     model = essay[0]
     q = dict(quantize)
@@ -165,17 +181,23 @@ def _reference(keys, values, positions, q, query_positions):
     return reference_attention(q, keys, values, D**-0.5, mask)
 
 
-@pytest.mark.parametrize("quantize", [{"name": "kivi", "bits": 4, "residual": 32}, {"name": "turboquant", "bits": 3}])
+@pytest.mark.parametrize("quantize", [{"name": "kivi", "bits": 4, "residual": 32}, {"name": "turboquant", "bits": 3},
+                                      {"name": "qjl", "buffer": 32}])
 @pytest.mark.parametrize("method", ["snapkv", "adakv"])
 def test_attention_on_the_store_equals_attention_over_what_it_holds(tiny_llama, method, quantize):
     """After compression: one-token steps and multi-token calls (KIVI's codes path up to 8 query rows,
     its dequantized SDPA past them) against a float32 reference over the store's dequantized keys
     and values, masked by true positions, so padding slots (AdaKV) are never attended. What a call
     sees is the quantizers' own rule: the tokens held before it as codes, its own tokens exactly
-    (KIVI's one-token step: after its flush)."""
-    caches = _prompt_cache(tiny_llama, method_config(method, budget=0.5, quantize=quantize))
+    (KIVI's one-token step: after its flush; QJL's: what it holds after the call, its own tokens
+    exact, as a call that completes a 32-token buffer quantizes keys it held exactly before)."""
+    qjl = quantize["name"] == "qjl"
+    # QJL: ~90 kept tokens, so that the calls below complete a 32-token key buffer (at 96)
+    caches = _prompt_cache(tiny_llama, method_config(method, budget=0.7 if qjl else 0.5, quantize=quantize))
     cache = caches[1]
     assert cache.padded == (method == "adakv") and cache.offset == 128 and cache.tokens_kept < 128
+    if qjl:  # the handed-over rows went through QJL's codes, with the first layers' sketch size
+        assert cache.store.n_keys == 64 and cache.store.n_values > 32 and cache.store.m == 512
     rng = np.random.default_rng(1)
     for S in (1, 3, 1, 6, 1):
         k, v = (mx.array(rng.standard_normal((1, 2, S, 32)).astype(np.float32)) for _ in range(2))
@@ -187,6 +209,9 @@ def test_attention_on_the_store_equals_attention_over_what_it_holds(tiny_llama, 
         if quantize["name"] == "kivi" and S == 1:
             held_k, held_v = cache.held_kv()
             held_positions = cache.kept_positions()
+        elif qjl:
+            held_k, held_v = (mx.concatenate([a[:, :, :-S], b], axis=2) for a, b in zip(cache.held_kv(), (k, v)))
+            held_positions = cache.kept_positions()
         else:
             held_k, held_v = mx.concatenate([held_k, k], axis=2), mx.concatenate([held_v, v], axis=2)
             new = mx.broadcast_to(query_positions.astype(mx.int32), (2, S))
@@ -195,7 +220,7 @@ def test_attention_on_the_store_equals_attention_over_what_it_holds(tiny_llama, 
         out = cache.attention(q, keys, values, scale=32**-0.5, mask="causal" if S > 1 else None)
         assert float(mx.abs(out - expected).max()) < 1e-4, S
         assert cache.kept_positions().shape[1] == cache.store.offset
-    assert cache.offset == 128 + 12
+    assert cache.offset == 128 + 12 and (not qjl or cache.store.n_keys == 96)
 
 
 @pytest.mark.parametrize("method", ["adakv", "criticalkv", "expected_attention", "keydiff", "knorm", "pyramidkv",
@@ -236,12 +261,12 @@ def test_padding_slots_are_never_attended(tiny_llama):
     assert mx.array_equal(before, after)
 
 
+@pytest.mark.parametrize("quantize", [{"name": "kivi", "bits": 2, "residual": 32}, {"name": "qjl", "buffer": 32}])
 @pytest.mark.parametrize("phase", ["prompt", "store"])
-def test_save_and_load_in_either_phase(tiny_llama, tmp_path, phase):
+def test_save_and_load_in_either_phase(tiny_llama, tmp_path, phase, quantize):
     tokens = np.random.default_rng(0).integers(0, 128, 130).tolist()
     # knorm scores need no queries: an eviction cache saved mid-prompt does not keep a window's queries
-    caches = kvcompress.make_cache(tiny_llama, "adakv", budget=0.5, scorer="knorm",
-                                   quantize={"name": "kivi", "bits": 2, "residual": 32})
+    caches = kvcompress.make_cache(tiny_llama, "adakv", budget=0.5, scorer="knorm", quantize=quantize)
     tiny_llama(mx.array(tokens[:127])[None], cache=caches)
     if phase == "store":
         tiny_llama(mx.array(tokens[127:128])[None], cache=caches)

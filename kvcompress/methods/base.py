@@ -56,6 +56,9 @@ class Method:
     # Set by quantizers whose cache can store an eviction method's kept tokens (`quantize`, see
     # methods/composed.py): its cache takes a boolean mask in `attention` and builds empty by `new_cache(i)`.
     stores_quantized: ClassVar[bool] = False
+    # Set by quantizers that cannot store an eviction method's kept tokens: why, in words (the
+    # ConfigError that refuses them as `quantize` says it).
+    store_refusal: ClassVar[str] = ""
     # Which attention layers the method compresses (kvcompress/adapter.py): "global" (every
     # global-attention layer; sliding-window and recurrent layers keep the model's own cache) or
     # "all". Keyword-only, so subclasses declare their own fields as before.

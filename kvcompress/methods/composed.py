@@ -1,8 +1,8 @@
 """Eviction x quantization (issue 40): an eviction method's kept tokens stored by a quantizer.
 
 Every eviction method takes `quantize`, a quantizer config (any method with `stores_quantized`:
-KIVI, TurboQuant), given as a mapping (`quantize={"name": "kivi", "bits": 4}`) or a config. The run
-config and id carry the quantizer's full configuration (configs without it keep their ids); the
+KIVI, TurboQuant, QJL), given as a mapping (`quantize={"name": "kivi", "bits": 4}`) or a config. The
+run config and id carry the quantizer's full configuration (configs without it keep their ids); the
 label names both ("snapkv budget=0.5 + kivi bits=4"); `bits` in the grid columns is the quantizer's.
 
 Semantics, as kvpress's presses over a QuantizedCache (a press compresses the prompt once, decoding
@@ -17,6 +17,9 @@ Refused with a ConfigError: methods whose kept set changes while decoding (H2O, 
 StreamingLLM; KNorm and random with decoding="evict": `evicts_while_decoding`). Evicting one token
 from KIVI's packed groups would re-quantize its group (every other token's codes change) or leave a
 hole the group's scales still span; neither is the paper's method nor exact, so they are not built.
+Quantizers that cannot be a store are refused naming why (`store_refusal`): KVQuant un-rotates each
+stored key by its slot index to quantize it pre-RoPE, and a store's slots are not the kept tokens'
+positions; mlx-quant is mlx-lm's own QuantizedKVCache, with no `attention` taking a mask over its slots.
 
 Positions: keys keep their rotation at their true positions (only "exact" methods decode without
 eviction); `offset` is the true position of the next token, while the quantizer holds fewer tokens.
@@ -26,8 +29,14 @@ the call's own tokens, causal among themselves (None for one query, "causal" for
 mlx-lm passes a plain quantizer cache). Head-wise budgets (AdaKV) give rows of different lengths:
 short rows end in padding slots (eviction.PAD), which a per-row boolean mask from the kept
 positions keeps every query off (KIVI then attends through its reference path on the codes, which
-takes any mask). A padding slot holds a copy of its row's last kept token, so KIVI's per-channel
-key groups span only kept tokens' values.
+takes any mask; QJL's attention is a masked softmax over its codes). A padding slot holds a copy of
+its row's last kept token, so KIVI's per-channel key groups and the outlier channels QJL picks per
+group of 32 tokens see kept tokens' values only (the copies weigh the last one more).
+
+The store quantizes the handed-over rows by its own rules, as it would a prompt of that length:
+QJL quantizes keys in whole buffers (the last n mod 128 kept keys stay full precision) and values
+once older than the last 128; its layers' sketch sizes go by the compressed-layer index, as
+without eviction (by default the first 15 layers: 512 / 128 bits).
 
 Resident bytes: the quantizer cache's arrays (codes, scales, norms, residual) plus the kept prompt
 positions [B * H_kv, n] int32 this cache holds (evidence, and the padding mask).
@@ -63,12 +72,25 @@ def prompt_once_methods() -> list[str]:
                   if issubclass(cls, Eviction) and not cls().evicts_while_decoding and not cls().scoring().reconstructs)
 
 
+def refusal(value: Any) -> str:
+    """Why the quantizer `value` (a config or a mapping naming one) cannot store an eviction method's
+    kept tokens, where it is a registered quantizer that says so ("" otherwise)."""
+    from . import REGISTRY
+
+    name = type(value).name if isinstance(value, Method) else value.get("name") if isinstance(value, dict) else None
+    cls = REGISTRY.get(name) if isinstance(name, str) else None
+    return f"{name} cannot store an eviction method's kept tokens: {cls.store_refusal}" if cls and cls.store_refusal else ""
+
+
 def quantizer_config(owner: Eviction, value: Any) -> Method | None:
     """`owner.quantize` validated into a quantizer config (None stays None); ConfigError naming
     `<method>.quantize...` and the allowed values."""
     if value is None:
         return None
     field, allowed = f"{owner.name}.quantize", quantizers()
+    refused = refusal(value)
+    if refused:
+        raise ConfigError(f"{field}.name: {refused}; expected one of {sorted(allowed)}")
     if isinstance(value, Method):
         if type(value).name not in allowed:
             raise ConfigError(f"{field}: expected a quantizer config, one of {sorted(allowed)}, got {value.label()!r}")

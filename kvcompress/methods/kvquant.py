@@ -73,6 +73,9 @@ class KVQuant(PerSideBits, Method):
     """
 
     name = "kvquant"
+    store_refusal = ("its keys are quantized pre-RoPE by rotating each stored key back by its slot index, and a "
+                     "composed store's slots are not the kept tokens' positions (they are scattered), so it would "
+                     "quantize keys rotated by (position - slot), not the paper's pre-RoPE keys")
     bits: int = 3
     key_bits: int | None = None
     value_bits: int | None = None

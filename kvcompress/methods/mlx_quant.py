@@ -24,6 +24,10 @@ class MlxQuant(Method):
     """mlx-lm `QuantizedKVCache`: per-token affine quantization of keys and values."""
 
     name = "mlx-quant"
+    store_refusal = ("its cache is mlx-lm's own QuantizedKVCache, which has none of what a composed cache calls "
+                     "on its store: an `attention` method taking a mask over the slots held (mlx-lm attends "
+                     "through it with the model's mask, sized for the true positions), a dequantized view, "
+                     "resident bytes; not built")
     bits: int = 4
     group_size: int = 64
 

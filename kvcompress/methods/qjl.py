@@ -67,6 +67,7 @@ class Qjl(Method):
     """
 
     name = "qjl"
+    stores_quantized = True  # an eviction method's `quantize` may name it (methods/composed.py)
     sketch_dim: int = 256
     outlier_sketch_dim: int = 256
     initial_layers: int = 15
@@ -104,6 +105,11 @@ class Qjl(Method):
         if self.outliers >= layer.head_dim:
             raise ConfigError(f"qjl.outliers: expected fewer than the model's head_dim {layer.head_dim}, "
                               f"got {self.outliers}")
+        return self.new_cache(i)
+
+    def new_cache(self, i: int) -> "QjlCache":
+        """An empty cache for the i-th compressed layer (the layer checked by `layer_cache`): the
+        initial sketch sizes below `initial_layers`, its own sketch from the seed and i."""
         initial = i < self.initial_layers
         return QjlCache(self.initial_sketch_dim if initial else self.sketch_dim,
                         self.initial_outlier_sketch_dim if initial else self.outlier_sketch_dim,

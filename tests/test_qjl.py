@@ -99,7 +99,8 @@ def test_recent_tokens_stay_exact_and_older_ones_are_quantized_as_the_reference_
     quantized_keys = 256 * 2 * (256 // 8 + 128 // 8 + 2 + 2) + 256 // 32 * 2 * 8
     quantized_values = 172 * 2 * (64 * 2 // 8 + 2 * 2 * 4)
     exact = (300 - 256 + 300 - 172) * 2 * 64 * 4
-    assert cache.live_kv_bytes == quantized_keys + quantized_values + exact
+    sketch = 256 * 64 * 4  # the layer's S [m, D] float32, held beside the codes
+    assert cache.live_kv_bytes == quantized_keys + quantized_values + exact + sketch
 
 
 @pytest.mark.parametrize("chunk", [1, 30])  # 30: the call flushes a buffer holding 12 of its own tokens

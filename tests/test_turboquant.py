@@ -139,7 +139,8 @@ def test_fractional_widths_split_off_the_largest_channels_at_one_bit_more():
     codes = {name: a.shape[-1] for name, a in cache._used().items() if name.endswith("codes")}
     assert codes == {"k_codes": 2, "kh_codes": 3, "v_codes": 3, "vh_codes": 4}  # 32-bit words per token
     norms = 4 * 2  # a float16 norm per part and side
-    assert cache.live_kv_bytes == 41 * 2 * ((2 + 3 + 3 + 4) * 4 + norms) + 2 * 32 * 4  # + the channel indices
+    matrices = 4 * 2 * 32 * 32 * 4 + 4 * (4 + 8 + 8 + 16)  # each part's rotation [H, 32, 32] and codebook
+    assert cache.live_kv_bytes == 41 * 2 * ((2 + 3 + 3 + 4) * 4 + norms) + 2 * 32 * 4 + matrices  # + the channel indices
     # the outlier split spends the extra bit where the mass is: a lower key error than 2 bits everywhere
     two = TurboQuantCache(2, 2, 0, qjl=False)
     two.update_and_fetch(k, k)
@@ -147,13 +148,16 @@ def test_fractional_widths_split_off_the_largest_channels_at_one_bit_more():
     assert err[cache] < 0.8 * err[two], err
 
 
-def test_resident_bytes_are_the_packed_codes_signs_and_norms():
+def test_resident_bytes_are_the_packed_codes_signs_norms_and_the_layers_matrices():
     cache, _, _ = _filled(3, 2, T=80, D=64, H=2)
     per_token_head = 64 * 2 // 8 + 2 + 64 // 8 + 2 + 64 * 2 // 8 + 2  # key codes (2 bits), norm, signs, residual norm, value codes, norm
-    assert cache.live_kv_bytes == 80 * 2 * per_token_head
+    # the layer's own matrices, resident beside the codes: rotations and the keys' sketch [H, 64, 64]
+    # float32, codebooks (keys 2-bit codes: 4 entries; values 4)
+    matrices = 3 * 2 * 64 * 64 * 4 + (4 + 4) * 4
+    assert cache.live_kv_bytes == 80 * 2 * per_token_head + matrices
     mse, _, _ = _filled(3, 2, T=80, D=64, H=2, qjl=False)  # keys: 3-bit codes and a norm, no sketch
-    assert mse.live_kv_bytes == 80 * 2 * (64 * 3 // 8 + 2 + 64 * 2 // 8 + 2)
-    assert cache.live_kv_bytes < 80 * 2 * 64 * 2 * 2 / 4  # under a quarter of float16 keys and values
+    assert mse.live_kv_bytes == 80 * 2 * (64 * 3 // 8 + 2 + 64 * 2 // 8 + 2) + 2 * 2 * 64 * 64 * 4 + (8 + 4) * 4
+    assert cache.live_kv_bytes - matrices < 80 * 2 * 64 * 2 * 2 / 4  # tokens: under a quarter of float16 keys and values
 
 
 @pytest.mark.parametrize("qjl,bits", [(True, (3, 3)), (False, (3, 3)), (True, (2.5, 3.5))])

@@ -184,9 +184,20 @@ class CompressedCache(_BaseCache):
     def trim(self, n: int) -> int:
         return 0  # nothing to give back (mlx-lm's `is_trimmable` is False unless a cache says otherwise)
 
+    # A quantizer's exact copy of the current call's tokens ((keys, values): the call's own queries
+    # see them exactly), held from update_and_fetch until that call's attention.
+    _fresh = None
+
     def from_prefill(self, keys: mx.array, values: mx.array, queries: mx.array | None) -> None:
         # keys, values: [B, H_kv, T, D] post-RoPE; queries: [B, H_q, T, D] or None
         self.update_and_fetch(keys, values)
+        self.forget_call()
+
+    def forget_call(self) -> None:
+        """Drop what the current call held for its own attention, where no attention follows an update
+        (a prefill handed over, a composed cache's hand-over): otherwise a quantizer would keep the
+        tokens' full-precision copy, beside their codes and uncounted, until the next call."""
+        self._fresh = None
 
     def kept_positions(self) -> mx.array | None:
         """True sequence positions of the tokens held, [B * H_kv, n_kept] in the order of

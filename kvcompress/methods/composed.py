@@ -199,6 +199,7 @@ class ComposedCache(CompressedCache):
         B = ev.batch
         shape = (B, R // B, keys.shape[1], keys.shape[2])
         self.store.update_and_fetch(keys.reshape(shape), values.reshape(shape))
+        self.store.forget_call()  # no attention follows: later calls see these tokens as codes
         self.prompt_positions = mx.contiguous(positions)
         self.position, self.batch, self._capacity = ev.position, B, ev.capacity
         self.eviction = None

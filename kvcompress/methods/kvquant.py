@@ -383,10 +383,6 @@ class KVQuantCache(CompressedCache):
         self.keys, self.values = held_k, held_v
         return self, self  # attention reads the codes from the cache itself
 
-    def from_prefill(self, keys, values, queries):
-        self.update_and_fetch(keys, values)
-        self._fresh = None  # no attention follows: the prompt's exact keys and values are not held
-
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Keys (post-RoPE) and values [B, H, T, D] as attention sees them, in the activations' dtype."""
         keys, values = [], []

@@ -215,14 +215,14 @@ class QjlCache(CompressedCache):
             self.key_codes = write_rows(self.key_codes, rows, self.n_keys)
             self.key_groups = write_rows(self.key_groups, {"k_outliers": outliers}, self.n_keys // self.group_size)
             self.n_keys += n
-            self.key_tail = self.key_tail[:, :, n:]
+            self.key_tail = mx.contiguous(self.key_tail[:, :, n:])  # a view would keep the whole tail it came from
         n = max(0, self.value_tail.shape[2] - self.buffer)  # values: those older than the last `buffer`
         if n:
             codes, scales, zeros = quantize_pack(self.value_tail[:, :, :n], self.value_bits, self.group_size)
             self.value_codes = write_rows(self.value_codes, {"v_codes": codes, "v_scales": scales, "v_zeros": zeros},
                                      self.n_values)
             self.n_values += n
-            self.value_tail = self.value_tail[:, :, n:]
+            self.value_tail = mx.contiguous(self.value_tail[:, :, n:])  # a view would keep the whole tail it came from
         return self, self  # attention reads the codes from the cache itself
 
     def _exact(self, tail: mx.array, fresh: mx.array | None, n_quantized: int) -> tuple[int, mx.array]:
@@ -325,7 +325,8 @@ class QjlCache(CompressedCache):
 
     @property
     def live_kv_bytes(self) -> int:
-        return array_bytes(*self._held().values())
+        # the held tokens' arrays, and this layer's sketch S (drawn per layer, held beside them)
+        return array_bytes(*self._held().values(), *([] if self.dims is None else [self.S]))
 
     def empty(self):
         return self.dims is None

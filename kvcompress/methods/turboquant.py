@@ -37,7 +37,8 @@ integer width, head dim 32 / 64 / 128) on a GPU instead runs the fused kernel of
 kvcompress/kernels/turboquant_attention.py over the codes (CUDA and Metal from one body, chosen and
 self-tested through kernels/dispatch.py): the held tokens' softmax part there, the call's own tokens
 exactly here, the two merged by their log-sum-exps. `live_kv_bytes` is the packed codes, signs and
-norms held (and a fractional width's channel indices).
+norms held, a fractional width's channel indices, and the layer's rotations, sketches and codebooks
+(drawn per layer from the seed and the layer's index: resident as long as the cache).
 
 Departures: every token is stored quantized when it arrives (no full-precision window beyond the
 current call). Norms are kept in float16.
@@ -433,9 +434,15 @@ class TurboQuantCache(CompressedCache):
 
     @property
     def live_kv_bytes(self) -> int:
-        # the held rows of every stored array (the rows allocated ahead are not held tokens), and the
-        # outlier channels' indices of a fractional width
-        return 0 if self.arrays is None else array_bytes(*self._used().values(), *self._channels())
+        # the held rows of every stored array (the rows allocated ahead are not held tokens), the
+        # outlier channels' indices of a fractional width, and the layer's own matrices
+        return 0 if self.arrays is None else array_bytes(*self._used().values(), *self._channels(), *self._matrices())
+
+    def _matrices(self) -> list[mx.array]:
+        """This layer's rotations, sketches and codebooks (drawn per layer, held beside the codes: at
+        D 128 and 8 KV heads 1.5 MiB a layer, as much as ~3k tokens of 4-bit codes)."""
+        return [m for side in (self.key_side, self.value_side) for _, _, codec in side.parts
+                for m in (codec.rotation, codec.sketch, codec.codebook) if m is not None]
 
     def empty(self):
         return self.arrays is None

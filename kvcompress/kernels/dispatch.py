@@ -18,6 +18,7 @@ kernel or from the reference.
 from __future__ import annotations
 
 import os
+import zlib
 import warnings
 from typing import Callable
 
@@ -200,3 +201,12 @@ def constant(values: tuple, dtype) -> mx.array:
             _constants.clear()
         _constants[key] = mx.array(list(values), dtype)
     return _constants[key]
+
+
+def fast_kernel(backend: str, name: str, source: str, header: str, inputs: list[str], outputs: list[str],
+                **options):
+    """`mx.fast.cuda_kernel` or `mx.fast.metal_kernel` for `backend`, named `name`_<CRC of header and
+    source>: MLX caches compiled kernels by name, so an edited source gets a new name and recompiles."""
+    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    return make(name=f"{name}_{zlib.crc32((header + source).encode()):08x}", input_names=inputs,
+                output_names=outputs, source=source, header=header, **options)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -142,6 +141,29 @@ def decode_attention_reference(queries, keys: PackedSide, values: PackedSide, sc
         out = packed if out is None else out + packed
     return out.reshape(B, n_q, L, D)
 
+
+# The end of a flash-decoding block, this kernel's and TurboQuant's (turboquant_attention.py): the
+# warps' partial sums of the block's output rows meet in shared memory, in warp order, then the block
+# writes its partial output [M, D] and each row's running max and sum for the combine kernel.
+BLOCK_PARTIAL_STORE = """\
+    for (int w = 0; w < NW; ++w) {
+        if (warp == w && lane < CG) {
+            KV_UNROLL for (int m = 0; m < M; ++m) {
+                KV_UNROLL for (int j = 0; j < 8; ++j) {
+                    const int idx = m * D + c0 + j;
+                    sc[idx] = (w == 0 ? 0.0f : sc[idx]) + acc[m][j];
+                }
+            }
+        }
+        KV_BARRIER();
+    }
+    const long out_base = ((long)bh * nb + blk) * M;
+    for (int i = tid; i < M * D; i += NT) o_part[out_base * D + i] = sc[i];
+    if (tid < M) {
+        stats[(out_base + tid) * 2] = run_max[tid];
+        stats[(out_base + tid) * 2 + 1] = run_sum[tid];
+    }
+"""
 
 # ---------------------------------------------------------------------------------------------
 # Fused kernel. Template constants: T (dtype of q, scales, zeros, residuals), KB, VB, G, D, M
@@ -403,24 +425,7 @@ _ATTN_BODY = """
             acc[m][j] = x + z;
         }
     }
-    for (int w = 0; w < NW; ++w) {
-        if (warp == w && lane < CG) {
-            KV_UNROLL for (int m = 0; m < M; ++m) {
-                KV_UNROLL for (int j = 0; j < 8; ++j) {
-                    const int idx = m * D + c0 + j;
-                    sc[idx] = (w == 0 ? 0.0f : sc[idx]) + acc[m][j];
-                }
-            }
-        }
-        KV_BARRIER();
-    }
-    const long out_base = ((long)bh * nb + blk) * M;
-    for (int i = tid; i < M * D; i += NT) o_part[out_base * D + i] = sc[i];
-    if (tid < M) {
-        stats[(out_base + tid) * 2] = run_max[tid];
-        stats[(out_base + tid) * 2 + 1] = run_sum[tid];
-    }
-"""
+""" + BLOCK_PARTIAL_STORE
 
 # Combine the blocks of each (batch, head) row, this kernel's and the tensor-core kernel's
 # (kivi_attention_mma.py, dims[10] blocks a row; none where it did not run): one block of CT threads per
@@ -550,10 +555,7 @@ def _kernel(which: str, backend: str):
             name, inputs, outputs = "kivi_decode_combine", ["o_part", "stats", "o_mma", "st_mma", "dims"], ["out"]
             source = CUDA_COMBINE_SOURCE if backend == "cuda" else METAL_COMBINE_SOURCE
         header = CUDA_HEADER if backend == "cuda" else METAL_HEADER
-        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
-        names = dict(name=f"{name}_{zlib.crc32((header + source).encode()):08x}", input_names=inputs, output_names=outputs)
-        make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-        _kernels[key] = make(**names, source=source, header=header)
+        _kernels[key] = dispatch.fast_kernel(backend, name, source, header, inputs, outputs)
     return _kernels[key]
 
 

@@ -63,9 +63,10 @@ so the fragment bookkeeping is tested without a GPU.
 from __future__ import annotations
 
 import functools
-import zlib
 
 import mlx.core as mx
+
+from . import dispatch
 
 BITS = (2, 4)
 STEP = 64  # the tokens this kernel takes are a multiple of this (both step sizes below divide it)
@@ -512,11 +513,8 @@ def _kernel(header: str, scalar_body: str | None):
     key = (header, scalar_body)  # str hashes are cached: a cheap lookup per layer and step
     if key not in _kernels:
         full, body = header + HEADER, source(scalar_body)
-        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
-        name = f"kivi_decode_attention_mma_{zlib.crc32((full + body).encode()):08x}"
         outputs = OUTPUTS if scalar_body is not None else OUTPUTS[2:]
-        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=INPUTS, output_names=outputs, source=body,
-                                            header=full)
+        _kernels[key] = dispatch.fast_kernel("cuda", "kivi_decode_attention_mma", body, full, INPUTS, outputs)
     return _kernels[key]
 
 

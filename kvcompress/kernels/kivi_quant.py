@@ -24,7 +24,6 @@ MLX reference.
 from __future__ import annotations
 
 import functools
-import zlib
 
 import mlx.core as mx
 
@@ -297,14 +296,9 @@ _kernels: dict[str, object] = {}
 def _kernel(backend: str):
     if backend not in _kernels:
         source, header = (CUDA_SOURCE, CUDA_HEADER) if backend == "cuda" else (METAL_SOURCE, METAL_HEADER)
-        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
-        names = dict(name=f"kivi_quantize_pack_{zlib.crc32((header + source).encode()):08x}",
-                     input_names=["x", "dims"], output_names=["packed", "scales", "zeros"])
-        if backend == "cuda":
-            _kernels[backend] = mx.fast.cuda_kernel(**names, source=source, header=header)
-        else:
-            _kernels[backend] = mx.fast.metal_kernel(**names, source=source, header=header,
-                                                     compile_options={"math_mode": "safe"})
+        options = {} if backend == "cuda" else {"compile_options": {"math_mode": "safe"}}
+        _kernels[backend] = dispatch.fast_kernel(backend, "kivi_quantize_pack", source, header, ["x", "dims"],
+                                                 ["packed", "scales", "zeros"], **options)
     return _kernels[backend]
 
 

@@ -41,7 +41,6 @@ an instruction in ~55% of cycles at 4 blocks (16 warps) an SM, bound by register
 
 from __future__ import annotations
 
-import zlib
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -435,10 +434,7 @@ def _kernel(which: str):
         body = _ROW_LSE_BODY if which == "row_lse" else _COLUMN_SUMS_BODY
         inputs = ["q", "keys", "dims", "streams", "taus"] + (["lse"] if which == "column_sums" else [])
         outputs = ["lse"] if which == "row_lse" else ["sums"]
-        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
-        name = f"prompt_{which}_{zlib.crc32((_HEADER + body).encode()):08x}"
-        _kernels[which] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
-                                              source=body, header=_HEADER)
+        _kernels[which] = dispatch.fast_kernel("cuda", f"prompt_{which}", body, _HEADER, inputs, outputs)
     return _kernels[which]
 
 

@@ -67,7 +67,6 @@ the reference there (`metal_fits`).
 
 from __future__ import annotations
 
-import zlib
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -505,10 +504,7 @@ def _kernel(which: str, backend: str):
         header = (CUDA_HEADER if backend == "cuda" else METAL_HEADER) + _EXTRA_HEADER[backend] + _CHANNELS + (
             f"#define SLOTS_PER_BLOCK {SLOTS_PER_FINISH_BLOCK}\n")
         source = kernel_source(which, backend)
-        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
-        name = f"scored_{which}_{zlib.crc32((header + source).encode()):08x}"
-        make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-        _kernels[key] = make(name=name, input_names=inputs, output_names=outputs, source=source, header=header)
+        _kernels[key] = dispatch.fast_kernel(backend, f"scored_{which}", source, header, inputs, outputs)
     return _kernels[key]
 
 

@@ -50,13 +50,13 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from . import dispatch
+from .kivi_attention import BLOCK_PARTIAL_STORE
 from .kivi_attention import CUDA_HEADER as _KIVI_CUDA_HEADER
 from .kivi_attention import METAL_HEADER as _KIVI_METAL_HEADER
 from .kivi_attention import default_tiles_per_block
@@ -285,24 +285,7 @@ _ATTN_BODY = """
             acc[m][j] = x;
         }
     }
-    for (int w = 0; w < NW; ++w) {
-        if (warp == w && lane < CG) {
-            KV_UNROLL for (int m = 0; m < M; ++m) {
-                KV_UNROLL for (int j = 0; j < 8; ++j) {
-                    const int idx = m * D + c0 + j;
-                    sc[idx] = (w == 0 ? 0.0f : sc[idx]) + acc[m][j];
-                }
-            }
-        }
-        KV_BARRIER();
-    }
-    const long out_base = ((long)bh * nb + blk) * M;
-    for (int i = tid; i < M * D; i += NT) o_part[out_base * D + i] = sc[i];
-    if (tid < M) {
-        stats[(out_base + tid) * 2] = run_max[tid];
-        stats[(out_base + tid) * 2 + 1] = run_sum[tid];
-    }
-"""
+""" + BLOCK_PARTIAL_STORE
 
 # Combine the blocks of a (batch, head) row: one threadgroup of D threads per (row, query row), a
 # thread per channel; also the log-sum-exp (natural log) the cache merges the fresh tokens with.
@@ -352,10 +335,7 @@ def _kernel(which: str, backend: str):
             name, inputs, outputs = "turboquant_decode_combine", ["o_part", "stats", "dims"], ["out", "lse"]
             source = CUDA_COMBINE_SOURCE if backend == "cuda" else METAL_COMBINE_SOURCE
         header = CUDA_HEADER if backend == "cuda" else METAL_HEADER
-        # MLX caches compiled kernels by name: a name per source text, so an edited source recompiles
-        names = dict(name=f"{name}_{zlib.crc32((header + source).encode()):08x}", input_names=inputs, output_names=outputs)
-        make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-        _kernels[key] = make(**names, source=source, header=header)
+        _kernels[key] = dispatch.fast_kernel(backend, name, source, header, inputs, outputs)
     return _kernels[key]
 
 

@@ -255,6 +255,22 @@ def attends_on_codes(queries: mx.array, kv_heads: int, sinks: mx.array | None) -
     return sinks is None and queries.shape[1] // kv_heads * queries.shape[2] <= DECODE_ROWS
 
 
+class CodesCache(CompressedCache):
+    """A quantizer that stores each token as codes when it arrives and lets the call that brought it
+    attend to it exactly (TurboQuant, QJL): `update_and_fetch` keeps the call's tokens in `_fresh`;
+    `attention` gives them, once, to the path the call takes: on the codes for a decode step
+    (`attention_on_codes`), through the held tokens dequantized once for a prefill chunk or sinks
+    (`prefill_attention`). Both take (queries [B, H_q, L, D], fresh_k, fresh_v, scale, mask, sinks)."""
+
+    def attention(self, queries, keys, values, scale, mask, sinks=None):
+        # keys, values: this cache itself (update_and_fetch returned it); the codes are read from it
+        fresh_k, fresh_v = self._fresh if self._fresh is not None else (None, None)
+        self._fresh = None
+        if attends_on_codes(queries, self.dims[0], sinks):
+            return self.attention_on_codes(queries, fresh_k, fresh_v, scale, mask, sinks)
+        return self.prefill_attention(queries, fresh_k, fresh_v, scale, mask, sinks)
+
+
 def dequantized_blocks(dequantize, start: int, end: int, dtype: mx.Dtype) -> list[mx.array]:
     """Held codes dequantized for a quantizer's prefill path: dequantize(a, b) gives rows a..b of one
     side, [B, H_kv, b - a, D] float32, exactly what its codes path scores or sums (so the two paths

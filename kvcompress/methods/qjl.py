@@ -45,8 +45,7 @@ import numpy as np
 from ..attention import install, masked_softmax
 from ..errors import ConfigError, check, is_int
 from ..kernels.kivi_quant import BITS as VALUE_BITS, GROUP_SIZES, quantize_pack
-from .base import (CompressedCache, Method, array_bytes, attends_on_codes, attention_over, dequantized_blocks,
-                   write_rows)
+from .base import CodesCache, Method, array_bytes, attention_over, dequantized_blocks, write_rows
 from .turboquant import pack, unpack
 
 KEY_NAMES = ("k_in_norms", "k_out_norms", "k_out_signs", "k_signs")  # one row per quantized key
@@ -126,7 +125,7 @@ def one_hot(channels: mx.array, dim: int) -> mx.array:
     return (mx.arange(dim)[:, None] == channels[..., None, :].astype(mx.int32)).astype(mx.float32)
 
 
-class QjlCache(CompressedCache):
+class QjlCache(CodesCache):
     """One layer's QJL storage (see the module docstring).
 
     quantized keys (first n_keys rows): "k_signs" [B, H, n, m/32] uint32, "k_out_signs"
@@ -230,15 +229,6 @@ class QjlCache(CompressedCache):
         the call's own tokens where this call quantized some of them."""
         T, S = self.offset, 0 if fresh is None else fresh.shape[2]
         return (n_quantized, tail) if n_quantized <= T - S else (T - S, fresh)
-
-    def attention(self, queries, keys, values, scale, mask, sinks=None):
-        """Softmax attention of queries [B, H_q, L, Dk] over the held tokens: on the codes for a
-        decode step, through the quantized tokens dequantized once for a prefill chunk (or sinks)."""
-        fresh_k, fresh_v = self._fresh if self._fresh is not None else (None, None)
-        self._fresh = None
-        if not attends_on_codes(queries, self.dims[0], sinks):
-            return self.prefill_attention(queries, fresh_k, fresh_v, scale, mask, sinks)
-        return self.attention_on_codes(queries, fresh_k, fresh_v, scale, mask, sinks)
 
     def prefill_attention(self, queries, fresh_k, fresh_v, scale, mask, sinks=None):
         """A prefill chunk's attention: the quantized tokens before the exact ones dequantized once (keys

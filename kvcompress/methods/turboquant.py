@@ -57,8 +57,7 @@ import numpy as np
 from ..attention import install, masked_softmax
 from ..errors import check
 from ..kernels import turboquant_attention
-from .base import (CompressedCache, Method, PerSideBits, array_bytes, attends_on_codes, attention_over,
-                   dequantized_blocks, write_rows)
+from .base import CodesCache, Method, PerSideBits, array_bytes, attention_over, dequantized_blocks, write_rows
 
 BITS = (2, 2.5, 3, 3.5, 4)
 
@@ -317,7 +316,7 @@ def fractional(bits: float) -> bool:
     return bits != math.floor(bits)
 
 
-class TurboQuantCache(CompressedCache):
+class TurboQuantCache(CodesCache):
     """One layer's TurboQuant storage (see the module docstring); tokens in order, all quantized.
 
     Per part (Codec.quantize): keys "k_codes" [B, H, cap, D*(kb-1)/32] uint32, "k_norms" [B, H, cap]
@@ -358,18 +357,6 @@ class TurboQuantCache(CompressedCache):
 
     def _used(self) -> dict[str, mx.array]:
         return {name: a[:, :, : self.offset] for name, a in self.arrays.items()}
-
-    def attention(self, queries, keys, values, scale, mask, sinks=None):
-        """Softmax attention of queries [B, H_q, L, Dk] over the held tokens: on the codes for a
-        decode step, through the held tokens dequantized once for a prefill chunk (or sinks)."""
-        # the tokens stored before this call attend through their codes; the call's own S tokens
-        # (a prompt chunk, or a decode step's token) exactly, as KIVI's residual: their codes are
-        # stored for the queries of later calls
-        fresh_k, fresh_v = self._fresh if self._fresh is not None else (None, None)
-        self._fresh = None
-        if not attends_on_codes(queries, self.dims[0], sinks):
-            return self.prefill_attention(queries, fresh_k, fresh_v, scale, mask, sinks)
-        return self.attention_on_codes(queries, fresh_k, fresh_v, scale, mask, sinks)
 
     def prefill_attention(self, queries, fresh_k, fresh_v, scale, mask, sinks=None):
         """A prefill chunk's attention: the tokens held before the call dequantized once (keys with

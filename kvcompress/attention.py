@@ -32,11 +32,12 @@ def install() -> None:
             module.scaled_dot_product_attention = scaled_dot_product_attention
 
 
-def reference_attention(queries, keys, values, scale, mask=None) -> mx.array:
+def reference_attention(queries, keys, values, scale, mask=None, sinks=None) -> mx.array:
     """Plain softmax attention with GQA, in float32. The reference every fast path is tested against.
 
     queries [B, H_q, L, D], keys/values [B, H_kv, T, D]; mask None, "causal" (bottom-right aligned),
-    a boolean array (True = attend) or an additive array, broadcastable to [B, H_q, L, T].
+    a boolean array (True = attend) or an additive array, broadcastable to [B, H_q, L, T]; sinks
+    [H_q] or None: an extra logit per query head in the softmax with no value (GPT-OSS).
     """
     B, n_q, L, D = queries.shape
     n_kv, T = keys.shape[1], keys.shape[2]
@@ -53,7 +54,12 @@ def reference_attention(queries, keys, values, scale, mask=None) -> mx.array:
             logits = mx.where(mask, logits, -mx.inf)
         else:
             logits = logits + mask
-    probs = mx.softmax(logits, axis=-1).reshape(B, n_kv, rep, L, T)
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None, None], (B, n_q, L, 1))
+        probs = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1)[..., :T]
+    else:
+        probs = mx.softmax(logits, axis=-1)
+    probs = probs.reshape(B, n_kv, rep, L, T)
     return (probs @ v).reshape(B, n_q, L, D).astype(queries.dtype)
 
 

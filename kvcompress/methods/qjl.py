@@ -214,15 +214,22 @@ class QjlCache(CodesCache):
             self.key_codes = write_rows(self.key_codes, rows, self.n_keys)
             self.key_groups = write_rows(self.key_groups, {"k_outliers": outliers}, self.n_keys // self.group_size)
             self.n_keys += n
-            self.key_tail = mx.contiguous(self.key_tail[:, :, n:])  # a view would keep the whole tail it came from
+            self.key_tail = self._rest(self.key_tail, n)
         n = max(0, self.value_tail.shape[2] - self.buffer)  # values: those older than the last `buffer`
         if n:
             codes, scales, zeros = quantize_pack(self.value_tail[:, :, :n], self.value_bits, self.group_size)
             self.value_codes = write_rows(self.value_codes, {"v_codes": codes, "v_scales": scales, "v_zeros": zeros},
                                      self.n_values)
             self.n_values += n
-            self.value_tail = mx.contiguous(self.value_tail[:, :, n:])  # a view would keep the whole tail it came from
+            self.value_tail = self._rest(self.value_tail, n)
         return self, self  # attention reads the codes from the cache itself
+
+    def _rest(self, tail: mx.array, n: int) -> mx.array:
+        """The tail's rows after its first n (just quantized). A view would keep the whole tail alive
+        until the next call: after a prefill, the prompt's float32 keys or values. Copied only then
+        (a decode step drops one row of ~129, and its next call concatenates anyway)."""
+        rest = tail[:, :, n:]
+        return mx.contiguous(rest) if n > self.buffer else rest
 
     def _exact(self, tail: mx.array, fresh: mx.array | None, n_quantized: int) -> tuple[int, mx.array]:
         """How many leading tokens attend through codes, and the exact rows after them: the tail, or

@@ -145,8 +145,11 @@ class Keyformer(Eviction):
         if self.score == "proxy":
             return None
         query_position = cache.position - 1  # a decode step's one query
+        # tau from `_tau_at`, the one place every path (MLX reference, fused kernels) asks for it
+        tau = self._tau_at(cache, mx.array([query_position], mx.int32))
         return GumbelNoise(_streams(self.seed, cache.layer, rows, group), cache._positions,
-                           None if self.noise == "frozen" else query_position, self._step_tau(cache, query_position))
+                           None if self.noise == "frozen" else query_position,
+                           tau if isinstance(tau, float) else float(tau.item()))
 
     def score_queries(self, cache, queries, new_keys):
         return new_keys[:, None] if self.score == "proxy" else queries

@@ -52,6 +52,20 @@ KEY_NAMES = ("k_in_norms", "k_out_norms", "k_out_signs", "k_signs")  # one row p
 VALUE_NAMES = ("v_codes", "v_scales", "v_zeros")  # one row per quantized value
 
 
+def values_product(probs: mx.array, codes: mx.array, scales: mx.array, zeros: mx.array, group_size: int, bits: int,
+                   fused: bool | None = None) -> mx.array:
+    """probs [.., rows, n] @ the values the codes [.., n, D] hold: `mx.quantized_matmul`, except on CUDA,
+    whose quantized_matmul has no transpose=False implementation for small problem shapes (seen on an
+    H100 with MLX 0.32.4: "No implementation for problem shape: 2x32x28x2 ... bits: 2, group size: 32"):
+    there the values are dequantized first and multiplied in float32 (the same function up to rounding;
+    tests/test_qjl.py compares the two). `fused` forces a path."""
+    if fused is None:
+        fused = not (mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available())
+    if fused:
+        return mx.quantized_matmul(probs, codes, scales, zeros, transpose=False, group_size=group_size, bits=bits)
+    return probs @ mx.dequantize(codes, scales, zeros, group_size=group_size, bits=bits)
+
+
 @dataclass(frozen=True)
 class Qjl(Method):
     """QJL: keys as 1-bit signs of a Gaussian sketch plus norms (outlier channels sketched apart),
@@ -264,8 +278,8 @@ class QjlCache(CodesCache):
         out = probs[..., nv:] @ exact_v.astype(mx.float32)
         if nv:
             codes, scales, zeros = (self.value_codes[name][:, :, :nv] for name in VALUE_NAMES)
-            out = out + mx.quantized_matmul(probs[..., :nv], codes, scales.astype(mx.float32), zeros.astype(mx.float32),
-                                            transpose=False, group_size=self.group_size, bits=self.value_bits)
+            out = out + values_product(probs[..., :nv], codes, scales.astype(mx.float32), zeros.astype(mx.float32),
+                                       self.group_size, self.value_bits)
         return out.reshape(B, n_q, L, Dv).astype(queries.dtype)
 
     def dequantized(self) -> tuple[mx.array, mx.array]:

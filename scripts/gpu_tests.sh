@@ -38,7 +38,8 @@ done
 wait
 for group in $groups; do
   log=$out/tests_$group.log
-  echo "== $group: $(grep -E "passed|failed|error" "$log" | tail -1 || echo "no summary: timed out after $limit s")"
+  summary=$(grep -E "passed|failed|error" "$log" | tail -1)
+  echo "== $group: ${summary:-no pytest summary (timed out after $limit s?): $(tail -1 "$log")}"
   grep -E "^(FAILED|ERROR)" "$log" | head -20
 done
 echo "[tests: $(( $(date +%s) - start )) s]"

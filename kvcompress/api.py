@@ -55,11 +55,14 @@ def load_prompt_cache(path: str, model=None, return_metadata: bool = False):
     return (cache, metadata) if return_metadata else cache
 
 
-def load_model(name_or_path: str = "smollm2-135m"):
-    """(model, tokenizer). "smollm2-135m" is the embedded model; anything else goes to mlx_lm.load."""
+def load_model(name_or_path: str = "smollm2-135m", dtype=None, bits: int | None = None):
+    """(model, tokenizer). "smollm2-135m" and "qwen2.5-coder-1.5b" are the embedded models; a path
+    ending in .gguf is any GGUF file (converted once, cached); anything else goes to mlx_lm.load.
+    `dtype`: float32, float16 or bfloat16 (default: float16 on a GPU, float32 on a CPU); `bits`: a
+    GGUF model re-quantized by MLX (2-8 bits) instead of dense weights (kvcompress/model.py)."""
     from .model import load_model as _load
 
-    return _load(name_or_path)
+    return _load(name_or_path, dtype, bits)
 
 
 def load_dataset(name: str, **params: Any):

@@ -32,7 +32,7 @@ def test_bad_config_names_the_field_and_the_allowed_values(params, fragment):
 def test_defaults_are_kvpress_and_the_label_shows_what_differs():
     config = method_config("expected_attention")
     assert (config.budget, config.n_future_positions, config.n_sink, config.use_covariance, config.use_vnorm,
-            config.epsilon) == (0.5, 512, 4, True, True, 0.0)
+            config.epsilon) == (0.5, 512, 4, True, True, 0.01)
     assert config.needs_queries and not config.evicts_while_decoding
     assert method_config("expected_attention", budget=0.25, use_vnorm=False).label() == \
         "expected_attention budget=0.25 use_vnorm=False"

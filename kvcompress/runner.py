@@ -111,8 +111,7 @@ def run_config(context: RunContext, sample: dict, method: Method, protocol: str 
         "decode_steps": context.decode_steps,
         "protocol": protocol,
     }
-    if method.revision:  # see Method.revision
-        config["method_revision"] = method.revision
+    config.update(method.revisions())  # see Method.revision
     if protocol == "query_agnostic" and method.evicts_while_decoding:
         # 1: the question part is appended without eviction, as for every other method (such methods
         # evicted through it down to the context's budget), so their old query-agnostic runs recompute

@@ -298,8 +298,7 @@ def measurement_config(model: SpeedModel, method: Method, context_tokens: int, b
               "context_tokens": context_tokens, "steps": steps, "rounds": rounds, "warmup": warmup,
               "prefill_rounds": prefill_rounds, "device": device_name(), "mlx": mx.__version__}
     config.update({"batch": batch} if kv_budget_bytes is None else {"kv_budget_bytes": kv_budget_bytes})
-    if method.revision:
-        config["method_revision"] = method.revision
+    config.update(method.revisions())  # see Method.revision
     return config
 
 

@@ -59,9 +59,10 @@ from .shapes import DTYPES, SHAPES, model_classes, shape_config
 from .speed import SpeedModel, measurement_config
 
 GRIDS_DIR = Path(__file__).parent / "grids"
-# Parameters whose value is itself a mapping (an eviction method's quantizer): an axis named after
+# Parameters whose value may itself be a mapping (an eviction method's quantizer, a delegating method's
+# scorer with its parameters): an axis named after
 # one takes its mappings as values, not as several parameters set together
-MAPPING_PARAMS = ("quantize",)
+MAPPING_PARAMS = ("quantize", "scorer")
 
 # Rough CPU throughput of the embedded model (PLATFORM.md), for `--dry-run` cost estimates only.
 PREFILL_TOK_S = 150.0

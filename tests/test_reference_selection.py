@@ -421,10 +421,12 @@ def expected_attention_scores(model, keys, values, queries, n_future=512, n_sink
     return np.concatenate([np.full((H, n_sink), np.inf), scores], axis=1)
 
 
-@pytest.mark.parametrize("params", [{}, {"use_covariance": False, "use_vnorm": False}])
+@pytest.mark.parametrize("params", [{}, {"epsilon": 0.0}, {"use_covariance": False, "use_vnorm": False}])
 def test_expected_attention_keeps_the_kvpress_selection(prompt, params):
+    # default: epsilon 1e-2, kvpress's leaderboard value; {"epsilon": 0.0}: the press's class default
     config = method_config("expected_attention", **params)
-    assert (config.n_future_positions, config.n_sink, config.epsilon) == (512, 4, 0.0)
+    assert (config.n_future_positions, config.n_sink, config.epsilon) == (512, 4, params.get("epsilon", 1e-2))
+    params = {"epsilon": config.epsilon, **params}
     capacity = round(config.budget * prompt.T)
     reference = [keep_top(expected_attention_scores(prompt.model, prompt.keys[i], prompt.values[i],
                                                     prompt.query64[i], **params), capacity)
@@ -432,13 +434,16 @@ def test_expected_attention_keeps_the_kvpress_selection(prompt, params):
     compare(compress(prompt, "expected_attention", **params), reference, near_ties=2)
 
 
-def test_adakv_over_expected_attention_keeps_the_kvpress_selection(prompt):
-    # kvpress's leaderboard entry: AdaKVPress(ExpectedAttentionPress()), alpha_safeguard 0.2
+@pytest.mark.parametrize("scorer, epsilon", [("expected_attention", 1e-2),
+                                             ({"name": "expected_attention", "epsilon": 0.0}, 0.0)])
+def test_adakv_over_expected_attention_keeps_the_kvpress_selection(prompt, scorer, epsilon):
+    # kvpress's leaderboard entry `expected_attention`: AdaKVPress(ExpectedAttentionPress(epsilon=1e-2)),
+    # alpha_safeguard 0.2, by default; its old `adakv_expected_attention` (epsilon 0) as a scorer mapping
     capacity = round(0.5 * prompt.T)
     reference = [adakv_reference(expected_attention_scores(prompt.model, prompt.keys[i], prompt.values[i],
-                                                           prompt.query64[i]), capacity, 0.2)
+                                                           prompt.query64[i], epsilon=epsilon), capacity, 0.2)
                  for i in range(len(prompt.kv))]
-    compare(compress(prompt, "adakv", scorer="expected_attention"), reference, near_ties=2, per_row_counts=False)
+    compare(compress(prompt, "adakv", scorer=scorer), reference, near_ties=2, per_row_counts=False)
 
 
 def criticalkv_reference(scores, values, w_o, capacity: int, epsilon=1e-4, first_stage_ratio=0.5) -> Selection:

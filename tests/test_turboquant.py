@@ -172,6 +172,43 @@ def test_config_validates_and_saves_and_loads(tmp_path, qjl, bits):
     assert loaded.live_kv_bytes == cache.live_kv_bytes
 
 
+def _layer_matrices(config, layers: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every rotation and sketch (per KV head) of a config's first `layers` layers, keys and values."""
+    rotations, sketches = [], []
+    for i in range(layers):
+        cache = config.new_cache(i)
+        k = mx.random.normal((1, 2, 4, 64), key=mx.random.key(i))
+        cache.update_and_fetch(k, k)
+        for side in (cache.key_side, cache.value_side):
+            for _, _, codec in side.parts:
+                rotations += list(np.array(codec.rotation))
+                sketches += [] if codec.sketch is None else list(np.array(codec.sketch))
+    return rotations, sketches
+
+
+def test_each_layers_rotations_and_sketches_are_independent_draws_and_reproducible():
+    """Issue 48 item 6: layer i+1's rotation was the QR of layer i's sketch (one seed per layer, the
+    sketch at seed + 1), and values' rotations were the keys' of layer i + 7. Every matrix now has its
+    own key (seed, layer, side, part, purpose): no rotation repeats another or is the Haar QR of any
+    sketch, over 9 layers with both widths' parts; the same config draws the same matrices again."""
+    config = method_config("turboquant", bits=2.5, seed=3)
+    rotations, sketches = _layer_matrices(config, 9)
+    assert len(rotations) == 9 * 2 * 2 * 2 and len(sketches) == 9 * 2 * 2  # layers, parts, heads (keys only: QJL)
+
+    def haar(gaussian):  # what random_rotation makes of a Gaussian draw
+        q, r = np.linalg.qr(gaussian.astype(np.float64))
+        return q * np.sign(np.diag(r))[None]
+
+    from_sketches = [haar(s) for s in sketches]
+    for i, rotation in enumerate(rotations):
+        assert not any(r.shape == rotation.shape and np.allclose(r, rotation, atol=1e-5) for r in rotations[i + 1:])
+        assert not any(q.shape == rotation.shape and np.allclose(q, rotation, atol=1e-5) for q in from_sketches)
+    again, again_sketches = _layer_matrices(method_config("turboquant", bits=2.5, seed=3), 9)
+    assert all(np.array_equal(a, b) for a, b in zip(rotations + sketches, again + again_sketches))
+    other, _ = _layer_matrices(method_config("turboquant", bits=2.5, seed=4), 1)
+    assert not np.allclose(other[0], rotations[0], atol=1e-3)
+
+
 @pytest.mark.slow
 def test_turboquant_on_the_embedded_model_more_bits_track_the_full_cache_closer(embedded):
     """KL(full || turboquant) of the next token after a 217-token prompt held as codes, over 5 seeds

@@ -112,11 +112,16 @@ class Method:
             parts.append(f"tau={values['tau_init']}..{values['tau_end']}")
         shown = {"budget", "bits", "tau_init", "tau_end"}
         parts += [
-            f"{f.name}={values[f.name]}"
+            f"{f.name}={label_value(values[f.name])}"
             for f in fields(self)
             if f.name not in shown and (f.default is dataclasses.MISSING or values[f.name] != f.default)
         ]
         return " ".join(parts)
+
+    def revisions(self) -> dict[str, int]:
+        """The revisions a run config carries, nonzero only (see `revision`): this method's, and those
+        of the configs it is built from (a delegating method's scorer, an eviction's quantizer)."""
+        return {"method_revision": self.revision} if self.revision else {}
 
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -140,6 +145,14 @@ class Method:
             params[f.name] = None if default is dataclasses.MISSING else default
         doc = (cls.__doc__ or "").strip().splitlines()
         return {"name": cls.name, "doc": doc[0] if doc else "", "params": params}
+
+
+def label_value(value: Any) -> str:
+    """A parameter as a label shows it: a nested config's mapping as `name(k=v, ...)`."""
+    if isinstance(value, dict) and "name" in value:
+        inner = ", ".join(f"{k}={v}" for k, v in value.items() if k != "name")
+        return f"{value['name']}({inner})"
+    return str(value)
 
 
 class PerSideBits:

@@ -67,7 +67,7 @@ class CriticalKV(Delegating):
         if first:
             top = mx.argpartition(-ranked, kth=first - 1, axis=1)[:, :first]
             lifted = mx.put_along_axis(lifted, top, mx.array(True), axis=1)
-        weighted = (ranked + self.epsilon) * projected_value_norms(cache)
+        weighted = (cache.scorer.linear_scores(ranked) + self.epsilon) * projected_value_norms(cache)
         ranked = mx.where(lifted | (ranked == mx.inf), mx.inf, weighted)
         return super().select(cache, ranked, capacity)
 

@@ -50,14 +50,14 @@ class Decoding(Delegating):
     """
 
     name = "decoding"
+    allowed_scorers = DECODING_SCORERS
+    scorer_note = " (module docstring)"
     budget: int | float = 1.0
     compression_interval: int = 512
     target_size: int = 2048
 
     def __post_init__(self):
         n = self.name
-        check(self.scorer in DECODING_SCORERS, f"{n}.scorer", f"one of {DECODING_SCORERS} (module docstring)",
-              self.scorer)
         check(is_int(self.compression_interval) and self.compression_interval >= 1, f"{n}.compression_interval",
               "an int >= 1 (decode steps)", self.compression_interval)
         check(is_int(self.target_size) and self.target_size >= 1, f"{n}.target_size", "an int >= 1 (tokens)",
@@ -72,7 +72,7 @@ class Decoding(Delegating):
         capacity, recent = super().resolve(prompt_tokens, layer, n_layers)
         if recent >= self.target_size:
             raise ConfigError(f"{self.name}.target_size: expected more than the scorer's protected window "
-                              f"({self.scorer}: {recent} tokens), got {self.target_size}")
+                              f"({self.scorer_name}: {recent} tokens), got {self.target_size}")
         return capacity, recent
 
     def cache_type(self) -> type:

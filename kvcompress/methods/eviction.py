@@ -149,6 +149,10 @@ class Eviction(Method):
             return super().label()
         return f"{replace(self, quantize=None).label()} + {self.quantize.label()}"
 
+    def revisions(self) -> dict[str, int]:
+        quantizer = self.quantize.revision if self.quantize is not None else 0
+        return {**super().revisions(), **({"quantize_revision": quantizer} if quantizer else {})}
+
     def grid_columns(self) -> dict[str, float | None]:
         columns = super().grid_columns()
         if self.quantize is not None:  # budget from the eviction, bits from the quantizer
@@ -185,6 +189,11 @@ class Eviction(Method):
     def window(self) -> int:
         """How many of the prompt's last queries `score_prompt` needs."""
         return 0
+
+    def linear_scores(self, scores: mx.array) -> mx.array:
+        """`score_prompt`'s scores as the quantity they rank (a method that combines them arithmetically,
+        CriticalKV, needs it): themselves, unless a method scores in logs (Expected Attention)."""
+        return scores
 
     def summarize_queries(self, cache, summary, queries):
         """"replace" / "grow": what `score_prompt` gets of the prompt's queries, updated with the next

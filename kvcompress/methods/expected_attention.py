@@ -13,6 +13,23 @@ expected attention; with `use_vnorm` it is rescaled to (a + epsilon) ||v||, the 
 expected contribution to the output. The first `n_sink` tokens are always kept. The prompt is
 compressed once; generated tokens are appended (kvpress's prefill press).
 
+epsilon: kvpress's `ExpectedAttentionPress` defaults to 0.0, but every entry of kvpress's evaluation
+registry (the leaderboard) that rescales by the value norm runs 1e-2: `expected_attention` is
+`AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))`, so are `decoding_adakv_expected_attention_e2` and
+`merging_expected_attention` (NVIDIA/kvpress evaluation/evaluate_registry.py at 8bb29b9; until
+2026-01 the registry also had `expected_attention` alone and `adakv_expected_attention` at 0.0). Ours
+defaults to the leaderboard's 1e-2, alone and as a delegating method's scorer (AdaKV's default over it
+is then kvpress's `expected_attention` entry); `epsilon: 0` is the press's class default. With 0 the
+rank is by a ||v|| alone, and a key whose expected attention is tiny is dropped even where its value is large.
+
+Scores are returned as logarithms: log((a + epsilon) ||v||) (log a without `use_vnorm`), computed
+from log-softmax (logsumexp over the group), so no expected attention underflows. In float32, a
+softmax probability below ~1e-38 is exactly 0, and with epsilon 0 such tokens (30 of 45,540 in one
+head of the embedded model) tied at 0 and were ranked arbitrarily; in logs they keep the float64
+ranking. The logarithm is monotone, so the selection (per head, or AdaKV's one top-k across a
+layer's heads) is kvpress's; a method that combines scores arithmetically (CriticalKV) takes
+`linear_scores`.
+
 Pre-RoPE queries come from the post-RoPE ones the attention sees, rotated back with the model's own
 RoPE module (kvcompress/methods/eviction.py's rope_rotations; scaled RoPEs' constant factor stays on
 both the queries and R_bar's rotations, as it does on the future queries); kvpress recomputes them
@@ -23,6 +40,7 @@ arrives in chunks needs O(G D^2) per KV head instead of its queries.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -40,10 +58,13 @@ class ExpectedAttention(Eviction):
     n_future_positions: future positions the RoPE rotation is averaged over (kvpress 512).
     n_sink: first tokens always kept, and left out of the query statistics (kvpress 4).
     use_covariance: include the queries' covariance term (kvpress True).
-    use_vnorm: rescale by the value norm, (score + epsilon) ||v|| (kvpress True; epsilon 0.0).
+    use_vnorm: rescale by the value norm, (score + epsilon) ||v|| (kvpress True).
+    epsilon: added before the rescaling (kvpress's leaderboard 1e-2; the press's class default 0.0).
     """
 
     name = "expected_attention"
+    # 1: default epsilon 1e-2 (was 0.0) and log-domain scores (no float32 underflow), 2026-12-07
+    revision = 1
     needs_queries = True
     decode = "grow"
     budget: int | float = 0.5
@@ -51,7 +72,7 @@ class ExpectedAttention(Eviction):
     n_sink: int = 4
     use_covariance: bool = True
     use_vnorm: bool = True
-    epsilon: float = 0.0
+    epsilon: float = 1e-2
 
     def __post_init__(self):
         n = self.name
@@ -92,11 +113,15 @@ class ExpectedAttention(Eviction):
         mx.eval(mean, m2)
         return count, mean, m2
 
+    def linear_scores(self, scores: mx.array) -> mx.array:
+        return mx.exp(scores)  # score_prompt's are logarithms (module docstring)
+
     def score_prompt(self, cache, keys, summary):
-        # keys [R, T, D] at positions 0..T-1; the first n_sink are kept (protected), scored 0 here
+        # keys [R, T, D] at positions 0..T-1; the first n_sink are kept (protected), scored -inf here.
+        # Log scores [R, T] (module docstring).
         R, T, D = keys.shape
         if summary is None:  # no query after the sinks: a prompt of at most n_sink tokens
-            return mx.zeros((R, T), mx.float32)
+            return mx.full((R, T), -mx.inf, mx.float32)
         count, mean, m2 = summary
         k = keys[:, self.n_sink :].astype(mx.float32)
         if cache.rope is not None:  # R_bar^T k: the mean rotation of the next positions, transposed
@@ -107,8 +132,12 @@ class ExpectedAttention(Eviction):
         if m2 is not None:
             covariance = m2 / count
             logits = logits + (s * s / 2) * ((k[:, None] @ covariance) * k[:, None]).sum(axis=-1)
-        expected = mx.softmax(logits, axis=-1, precise=True).mean(axis=1)  # [R, T - n_sink]
-        if self.use_vnorm:
+        # log of the softmax averaged over the query group: logsumexp_g(log softmax_g) - log G
+        log_softmax = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        expected = mx.logsumexp(log_softmax, axis=1) - math.log(log_softmax.shape[1])  # [R, T - n_sink]
+        if self.use_vnorm:  # log((a + epsilon) ||v||); log 0 = -inf where epsilon is 0 or v is 0
             norms = mx.linalg.norm(cache.values[:, self.n_sink :].astype(mx.float32), axis=-1)
-            expected = (expected + self.epsilon) * norms
-        return mx.concatenate([mx.zeros((R, min(T, self.n_sink)), mx.float32), expected], axis=1)
+            if self.epsilon:
+                expected = mx.logaddexp(expected, mx.array(math.log(self.epsilon), mx.float32))
+            expected = expected + mx.log(norms)
+        return mx.concatenate([mx.full((R, min(T, self.n_sink)), -mx.inf, mx.float32), expected], axis=1)

@@ -40,6 +40,12 @@ exactly here, the two merged by their log-sum-exps. `live_kv_bytes` is the packe
 norms held, a fractional width's channel indices, and the layer's rotations, sketches and codebooks
 (drawn per layer from the seed and the layer's index: resident as long as the cache).
 
+Draws: every matrix has its own key, (seed, layer, side, part, purpose): side 0 keys / 1 values, part
+0 / 1 the low / outlier channels of a fractional width, purpose 0 the rotation / 1 the sketch; NumPy's
+SeedSequence turns each key into an independent stream. (Until 2026-12-07 one integer per layer was
+offset by small constants per purpose, so layer i+1's rotation was drawn from layer i's sketch seed,
+and values' from the keys' of layer i+7.)
+
 Departures: every token is stored quantized when it arrives (no full-precision window beyond the
 current call). Norms are kept in float16.
 """
@@ -79,6 +85,8 @@ class TurboQuant(PerSideBits, Method):
     value_bits: float | None = None
     qjl: bool = True
     seed: int = 0
+    # 1: independent per-layer, per-purpose draws (module docstring), 2026-12-07
+    revision = 1
 
     def __post_init__(self):
         self.check_bits(BITS)
@@ -93,8 +101,8 @@ class TurboQuant(PerSideBits, Method):
         return self.new_cache(i)
 
     def new_cache(self, i: int) -> "TurboQuantCache":
-        """An empty cache for the i-th compressed layer (its own rotations: the seed and i)."""
-        return TurboQuantCache(self.k_bits, self.v_bits, self.seed * 100_003 + i, self.qjl)
+        """An empty cache for the i-th compressed layer (its own draws: the seed and i)."""
+        return TurboQuantCache(self.k_bits, self.v_bits, self.seed, self.qjl, layer=i)
 
 
 # -- the quantizer ------------------------------------------------------------------------------
@@ -123,9 +131,18 @@ def codebook(dim: int, bits: int) -> np.ndarray:
     return (centroids - centroids[::-1]) / 2  # the density is even: exactly symmetric
 
 
-def random_rotation(heads: int, dim: int, seed: int) -> mx.array:
+ROTATION, SKETCH = 0, 1  # the last element of a matrix's draw key (module docstring)
+
+
+def draw(key: tuple[int, ...]) -> np.random.Generator:
+    """An independent stream for one matrix: SeedSequence over the whole key (any int seed, taken
+    modulo 2^64, as SeedSequence takes non-negative entropy)."""
+    return np.random.default_rng([k % (1 << 64) for k in key])
+
+
+def random_rotation(heads: int, dim: int, key: tuple[int, ...]) -> mx.array:
     """[heads, dim, dim] random orthogonal matrices: QR of seeded Gaussians, signs fixed (Haar)."""
-    rng = np.random.default_rng(seed)
+    rng = draw((*key, ROTATION))
     out = np.empty((heads, dim, dim), np.float32)
     for h in range(heads):
         q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
@@ -133,9 +150,9 @@ def random_rotation(heads: int, dim: int, seed: int) -> mx.array:
     return mx.array(out)
 
 
-def sketch_matrix(heads: int, dim: int, seed: int) -> mx.array:
+def sketch_matrix(heads: int, dim: int, key: tuple[int, ...]) -> mx.array:
     """[heads, dim, dim] the QJL transform S: i.i.d. standard Gaussians, seeded."""
-    return mx.array(np.random.default_rng(seed + 1).standard_normal((heads, dim, dim)).astype(np.float32))
+    return mx.array(draw((*key, SKETCH)).standard_normal((heads, dim, dim)).astype(np.float32))
 
 
 def pack(codes: mx.array, bits: int) -> mx.array:
@@ -196,10 +213,11 @@ class Codec:
     bits - 1 with the QJL residual, else bits), "norms" f16; with the QJL residual "signs"
     [.., dim/32] uint32 and "res_norms" f16 (32-bit words padded where dim*b is not a multiple of 32)."""
 
-    def __init__(self, heads: int, dim: int, bits: int, seed: int, qjl: bool):
+    def __init__(self, heads: int, dim: int, bits: int, key: tuple[int, ...], qjl: bool):
+        # key: (seed, layer, side, part), the matrices' draws (module docstring)
         self.dim, self.bits, self.qjl = dim, bits, qjl
-        self.rotation = random_rotation(heads, dim, seed)  # [H, dim, dim]
-        self.sketch = sketch_matrix(heads, dim, seed) if qjl else None  # [H, dim, dim]
+        self.rotation = random_rotation(heads, dim, key)  # [H, dim, dim]
+        self.sketch = sketch_matrix(heads, dim, key) if qjl else None  # [H, dim, dim]
         self.code_bits = bits - 1 if qjl else bits
         self.codebook = mx.array(codebook(dim, self.code_bits).astype(np.float32))
 
@@ -261,15 +279,16 @@ class Side:
     fractional width, two independent Codecs (own rotation, norm, codebook and sketch): the outlier
     channels at ceil(bits), the rest at floor(bits). Array names carry the part's prefix."""
 
-    def __init__(self, prefix: str, heads: int, dim: int, bits: float, seed: int, qjl: bool,
+    def __init__(self, prefix: str, heads: int, dim: int, bits: float, key: tuple[int, ...], qjl: bool,
                  high: mx.array | None = None):
+        # key: (seed, layer, side); each part adds its index (module docstring)
         self.high = high  # outlier channel indices [n_high] int32, or None for an integer width
         if high is None:
-            self.parts = [(prefix, None, Codec(heads, dim, int(bits), seed, qjl))]
+            self.parts = [(prefix, None, Codec(heads, dim, int(bits), (*key, 0), qjl))]
             return
         low = mx.array(np.setdiff1d(np.arange(dim), np.asarray(high)).astype(np.int32))
-        self.parts = [(prefix, low, Codec(heads, low.size, math.floor(bits), seed, qjl)),
-                      (prefix + "h", high, Codec(heads, high.size, math.ceil(bits), seed + 97, qjl))]
+        self.parts = [(prefix, low, Codec(heads, low.size, math.floor(bits), (*key, 0), qjl)),
+                      (prefix + "h", high, Codec(heads, high.size, math.ceil(bits), (*key, 1), qjl))]
         self.restore = mx.array(np.argsort(np.concatenate([np.asarray(low), np.asarray(high)])).astype(np.int32))
 
     def names(self) -> list[str]:
@@ -325,8 +344,9 @@ class TurboQuantCache(CodesCache):
     (and its channels, chosen from the first call's tokens). The first `offset` rows are in use.
     """
 
-    def __init__(self, key_bits: float = 4, value_bits: float = 4, seed: int = 0, qjl: bool = True):
-        self.key_bits, self.value_bits, self.seed, self.qjl = key_bits, value_bits, seed, qjl
+    def __init__(self, key_bits: float = 4, value_bits: float = 4, seed: int = 0, qjl: bool = True, layer: int = 0):
+        # seed: the config's; layer: the compressed layer's index (together: this layer's draws)
+        self.key_bits, self.value_bits, self.seed, self.qjl, self.layer = key_bits, value_bits, seed, qjl, layer
         self.arrays = None  # dict name -> buffer
         self.offset = 0
         self.dims = None  # (H, D_k, D_v)
@@ -335,8 +355,8 @@ class TurboQuantCache(CodesCache):
     def _setup(self, H: int, Dk: int, Dv: int, k_high: mx.array | None, v_high: mx.array | None):
         self.dims = (H, Dk, Dv)
         self.dtype = mx.float16  # what attention returns when the first keys' dtype is not known (a load)
-        self.key_side = Side("k", H, Dk, self.key_bits, self.seed, self.qjl, k_high)
-        self.value_side = Side("v", H, Dv, self.value_bits, self.seed + 7, False, v_high)
+        self.key_side = Side("k", H, Dk, self.key_bits, (self.seed, self.layer, 0), self.qjl, k_high)
+        self.value_side = Side("v", H, Dv, self.value_bits, (self.seed, self.layer, 1), False, v_high)
 
     # -- mlx-lm protocol ------------------------------------------------------------------------
 
@@ -436,20 +456,24 @@ class TurboQuantCache(CodesCache):
 
     # mlx-lm 0.32's loader rebuilds a cache from `state` alone (`from_state`): the arrays, the outlier
     # channels of fractional widths (keys', then values'), then one string with the bit widths, the
-    # seed and the dims (the rotations and the sketches are redrawn)
+    # seed, the layer and the dims (the rotations and the sketches are redrawn)
     @property
     def state(self):
         a = self._used()
         H, Dk, Dv = self.dims
-        meta = f"{self.key_bits:g},{self.value_bits:g},{self.seed},{int(self.qjl)},{H},{Dk},{Dv}"
+        meta = f"{self.key_bits:g},{self.value_bits:g},{self.seed},{self.layer},{int(self.qjl)},{H},{Dk},{Dv}"
         return [*(a[name] for name in sorted(a)), *self._channels(), meta]
 
     @state.setter
     def state(self, v):
         *arrays, meta = v
-        kb, vb, seed, qjl, H, Dk, Dv = meta.split(",")
+        fields = meta.split(",")
+        if len(fields) != 8:  # its codes were made with the draws of before revision 1: not decodable now
+            raise ValueError("TurboQuantCache: this file was saved before 2026-12-07 (one seed per layer, "
+                             "before independent per-layer draws); its codes need the old rotations: re-create it")
+        kb, vb, seed, layer, qjl, H, Dk, Dv = fields
         self.key_bits, self.value_bits = (int(float(b)) if not fractional(float(b)) else float(b) for b in (kb, vb))
-        self.seed, self.qjl = int(seed), bool(int(qjl))
+        self.seed, self.layer, self.qjl = int(seed), int(layer), bool(int(qjl))
         n_channels = fractional(self.key_bits) + fractional(self.value_bits)
         channels = iter(arrays[len(arrays) - n_channels:])
         self._setup(int(H), int(Dk), int(Dv), next(channels) if fractional(self.key_bits) else None,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .methods.eviction import EvictionCache
+from .methods.eviction.base import EvictionCache
 
 PREFILL_CHUNK = 2048  # as the runner's prefill and mlx-lm's generate
 

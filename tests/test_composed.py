@@ -17,7 +17,7 @@ from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
 from kvcompress.memory import live_kv_bytes
 from kvcompress.methods import ComposedCache, method_config
-from kvcompress.methods.eviction import PAD
+from kvcompress.methods.eviction.base import PAD
 from kvcompress.runner import RunContext, decode_step, derive_cache, method_identity, prefill, run_config, run_sample
 
 KIVI4 = {"name": "kivi", "bits": 4}

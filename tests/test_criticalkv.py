@@ -9,7 +9,7 @@ import pytest
 
 from kvcompress.errors import ConfigError
 from kvcompress.methods import method_config
-from kvcompress.methods.eviction import PAD
+from kvcompress.methods.eviction.base import PAD
 
 from test_eviction import Drive
 

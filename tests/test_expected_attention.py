@@ -13,7 +13,7 @@ from kvcompress.datasets import load_dataset, prompt_tokens
 from kvcompress.errors import ConfigError
 from kvcompress.memory import live_kv_bytes
 from kvcompress.methods import method_config
-from kvcompress.methods.eviction import EvictionCache
+from kvcompress.methods.eviction.base import EvictionCache
 from kvcompress.runner import derive_cache, prefill
 
 

@@ -334,7 +334,7 @@ def test_prompt_kernels_draw_keyformers_noise(emulated_cuda):
     the counter hash's exact draw, frozen noise of 8 streams x 4096 key positions. The emulator's
     log2 is exact, so this checks everything but the hardware's lg2 error (~1e-7, the GPU tests'):
     the hash, u, the branch and the series, which ~0.2% of draws take (g > 6.2 here)."""
-    from kvcompress.methods.counter_hash import gumbel_noise_from_streams, noise_streams
+    from kvcompress.kernels.counter_hash import gumbel_noise_from_streams, noise_streams
 
     streams = noise_streams(0, 3, mx.arange(8, dtype=mx.uint32).reshape(8, 1))
     draw = mx.fast.cuda_kernel(name="draw", input_names=["streams"], output_names=["out"], header=prompt_kernels._HEADER,
@@ -429,7 +429,7 @@ def test_cache_prompt_through_the_kernels(emulated_cuda, monkeypatch, method):
     (emulated) tensor-core kernels, Keyformer's noise drawn there, and keeps what the MLX tiles keep."""
     from kvcompress.kernels import dispatch
     from kvcompress.methods import method_config
-    from kvcompress.methods.eviction import EvictionCache
+    from kvcompress.methods.eviction.base import EvictionCache
 
     cfg = method_config(method, budget=40)
     k1, k2, k3 = mx.random.split(mx.random.key(5), 3)

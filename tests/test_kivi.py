@@ -18,7 +18,7 @@ from kvcompress.attention import reference_attention
 from kvcompress.embedded import essays_dir
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.errors import ConfigError
-from kvcompress.methods.kivi import Kivi, KiviCache
+from kvcompress.methods.quantization.kivi import Kivi, KiviCache
 
 
 def kv(T, H=2, D=64, seed=0, dtype=mx.float32):

@@ -17,7 +17,7 @@ from kvcompress.datasets import load_dataset, sample_prompt
 from kvcompress.errors import ConfigError
 from kvcompress.memory import live_kv_bytes
 from kvcompress.methods import method_config
-from kvcompress.methods.eviction import PAD
+from kvcompress.methods.eviction.base import PAD
 from kvcompress.reconstruct import ReconstructionPrompt, reconstruct, reconstruction_prompt
 from kvcompress import runner
 from test_eviction import Drive, rope_at, softmax

@@ -14,7 +14,7 @@ import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
 from kvcompress.methods import base, method_config
-from kvcompress.methods.qjl import QjlCache, sketch
+from kvcompress.methods.quantization.qjl import QjlCache, sketch
 from model_fixtures import next_token_kl
 
 

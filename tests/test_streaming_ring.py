@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvcompress.methods import REGISTRY, method_config
-from kvcompress.methods.eviction import Eviction, EvictionCache
+from kvcompress.methods.eviction.base import Eviction, EvictionCache
 from model_fixtures import TwinCaches
 
 

@@ -15,7 +15,7 @@ from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
 from kvcompress.methods import base, method_config
 from kvcompress.methods.base import attends_on_codes
-from kvcompress.methods.turboquant import TurboQuantCache, codebook, pack, unpack
+from kvcompress.methods.quantization.turboquant import TurboQuantCache, codebook, pack, unpack
 from model_fixtures import next_token_kl
 
 

@@ -23,7 +23,7 @@ from kvcompress.kernels.turboquant_attention import (
     random_case,
     with_fresh_tokens,
 )
-from kvcompress.methods.turboquant import TurboQuantCache
+from kvcompress.methods.quantization.turboquant import TurboQuantCache
 
 GPU = dispatch.gpu_backend()
 needs_gpu = pytest.mark.skipif(GPU is None, reason="needs a CUDA or Metal GPU (the fused kernel runs only there)")

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..methods.counter_hash import gumbel_noise_from_streams, noise_streams
+from .counter_hash import gumbel_noise_from_streams, noise_streams
 from . import dispatch
 from .scored_attention import _EXTRA_HEADER
 

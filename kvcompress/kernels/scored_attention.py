@@ -71,7 +71,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..methods.counter_hash import gumbel_noise_from_streams, noise_streams
+from .counter_hash import gumbel_noise_from_streams, noise_streams
 from . import dispatch
 from .evict import evict_slot_reference
 from .kivi_attention import CUDA_HEADER, METAL_HEADER

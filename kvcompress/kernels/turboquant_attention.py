@@ -356,7 +356,7 @@ def _stand_in() -> mx.array:
 def _consts(scale: float, D: int, key_code_bits: int, value_bits: int) -> mx.array:
     # the softmax scale in log2 units, the QJL factor and both codebooks (as the codecs hold them):
     # one array per signature, not one written per layer and step
-    from ..methods.turboquant import codebook
+    from ..methods.quantization.turboquant import codebook
 
     books = [float(x) for b in (key_code_bits, value_bits) for x in codebook(D, b).astype(np.float32)]
     values = [scale * math.log2(math.e), math.sqrt(math.pi / 2) / D, *books]
@@ -439,7 +439,7 @@ def random_case(key_bits: int, value_bits: int, D: int, M: int, qjl: bool = True
 
     Used by the self-test, the tests and the benchmark. The cache holds T tokens (the default: two tiles
     and part of a third) written as a prompt and then a token at a time, so its buffers have spare rows."""
-    from ..methods.turboquant import TurboQuantCache
+    from ..methods.quantization.turboquant import TurboQuantCache
 
     k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
     k = mx.random.normal((1, heads, T, D), key=k1)

@@ -8,28 +8,28 @@ from typing import Any
 from ..adapter import LAYER_CHOICES
 from ..errors import ConfigError, build, check
 from .base import CompressedCache, Method
-from .adakv import AdaKV
+from .eviction.adakv import AdaKV
 from .composed import ComposedCache
-from .criticalkv import CriticalKV
-from .decoding import Decoding
-from .duoattention import DuoAttention
-from .expected_attention import ExpectedAttention
+from .eviction.criticalkv import CriticalKV
+from .eviction.decoding import Decoding
+from .eviction.duoattention import DuoAttention
+from .eviction.expected_attention import ExpectedAttention
 from .full import Full
-from .h2o import H2O
-from .keydiff import KeyDiff
-from .keyformer import Keyformer
-from .kivi import Kivi
-from .kvquant import KVQuant
-from .knorm import KNorm
-from .kvzip import KVzip
-from .mlx_quant import MlxQuant
-from .pyramidkv import PyramidKV
-from .qjl import Qjl
-from .random_floor import Random
-from .snapkv import SnapKV
-from .streaming import Streaming
-from .tova import TOVA
-from .turboquant import TurboQuant
+from .eviction.h2o import H2O
+from .eviction.keydiff import KeyDiff
+from .eviction.keyformer import Keyformer
+from .quantization.kivi import Kivi
+from .quantization.kvquant import KVQuant
+from .eviction.knorm import KNorm
+from .eviction.kvzip import KVzip
+from .quantization.mlx_quant import MlxQuant
+from .eviction.pyramidkv import PyramidKV
+from .quantization.qjl import Qjl
+from .eviction.random_floor import Random
+from .eviction.snapkv import SnapKV
+from .eviction.streaming import Streaming
+from .eviction.tova import TOVA
+from .quantization.turboquant import TurboQuant
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls

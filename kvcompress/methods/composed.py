@@ -54,7 +54,7 @@ from mlx_lm.models.cache import create_attention_mask
 from ..adapter import model_layout
 from ..errors import ConfigError, build
 from .base import CompressedCache, Method
-from .eviction import PAD, Eviction, EvictionCache
+from .eviction.base import PAD, Eviction, EvictionCache
 
 
 def quantizers() -> dict[str, type[Method]]:

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..errors import check, is_int
-from ..kernels.prompt_scores import PromptNoise
-from ..kernels.scored_attention import GumbelNoise
-from .counter_hash import gumbel_noise_from_streams, noise_streams
-from .eviction import Eviction
+from ...errors import check, is_int
+from ...kernels.prompt_scores import PromptNoise
+from ...kernels.scored_attention import GumbelNoise
+from ...kernels.counter_hash import gumbel_noise_from_streams, noise_streams
+from .base import Eviction
 
 SCORES = ("attention", "proxy")
 ANNEAL_OVER = ("budget", "answer")

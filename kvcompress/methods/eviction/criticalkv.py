@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import ConfigError, check
-from .delegating import Delegating
+from ...errors import ConfigError, check
+from .scoring.delegating import Delegating
 
 TILE_ELEMENTS = 1 << 24  # float32 elements of one [R, tokens, hidden] projection tile
 

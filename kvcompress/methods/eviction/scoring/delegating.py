@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import check
-from .eviction import Eviction
+from ....errors import check
+from ..base import Eviction
 
 # every eviction method that scores the prompt itself (not one that delegates)
 SCORERS = ("snapkv", "h2o", "tova", "knorm", "keyformer", "streaming", "random", "keydiff", "expected_attention",
@@ -39,7 +39,7 @@ class Delegating(Eviction):
         return self.scoring().reconstructs
 
     def scoring(self) -> Eviction:
-        from . import REGISTRY  # the registry imports this module
+        from ... import REGISTRY  # the registry imports this module
 
         return REGISTRY[self.scorer](budget=self.budget)
 

@@ -13,10 +13,10 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import QuantizedKVCache
 
-from ..adapter import model_layout, trial_error
-from ..attention import install, original_sdpa
-from ..errors import ConfigError, check
-from .base import Method
+from ...adapter import model_layout, trial_error
+from ...attention import install, original_sdpa
+from ...errors import ConfigError, check
+from ..base import Method
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import check, is_int
-from .eviction import Eviction
-from .prompt_scores import folded_logits
+from ...errors import check, is_int
+from .base import Eviction
+from .scoring.prompt_scores import folded_logits
 
 POOLINGS = ("max", "avg")
 

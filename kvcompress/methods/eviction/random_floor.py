@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import check, is_int
-from .counter_hash import mix
-from .scored_once import ScoredOnce
+from ...errors import check, is_int
+from ...kernels.counter_hash import mix
+from .scoring.scored_once import ScoredOnce
 
 
 @dataclass(frozen=True)

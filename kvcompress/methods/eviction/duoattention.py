@@ -46,12 +46,12 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
-from ..adapter import AttentionLayer, model_layout, native_cache
-from ..attention import install
-from ..errors import ConfigError, check, is_int
-from ..kernels.evict import rotate_pairs
-from .base import CompressedCache, array_bytes
-from .eviction import PAD, Eviction, EvictionCache, rope_rotations
+from ...adapter import AttentionLayer, model_layout, native_cache
+from ...attention import install
+from ...errors import ConfigError, check, is_int
+from ...kernels.evict import rotate_pairs
+from ..base import CompressedCache, array_bytes
+from .base import PAD, Eviction, EvictionCache, rope_rotations
 from .streaming import Streaming
 
 SAMPLES, SAMPLE_TOKENS, QUERY_TOKENS = 4, 256, 500  # kvpress: 50 texts, q_len 500
@@ -412,7 +412,7 @@ class DuoAttentionCache(CompressedCache):
 
     @meta_state.setter
     def meta_state(self, v):
-        from . import method_config  # the registry imports this module
+        from .. import method_config  # the registry imports this module
 
         meta = json.loads(v)
         self.config = method_config(**meta["config"])

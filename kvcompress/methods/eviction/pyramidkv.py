@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import check, is_int
+from ...errors import check, is_int
 from .snapkv import SnapKV
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import check
-from .delegating import Delegating
+from ...errors import check
+from .scoring.delegating import Delegating
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import ConfigError
-from .scored_once import ScoredOnce
+from ...errors import ConfigError
+from .scoring.scored_once import ScoredOnce
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .eviction import Eviction
+from .base import Eviction
 
 EPS = 1e-12  # torch's F.normalize floor for a zero vector's norm
 

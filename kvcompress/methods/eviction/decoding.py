@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from ..errors import ConfigError, check, is_int
-from .delegating import Delegating
-from .eviction import Eviction, EvictionCache
+from ...errors import ConfigError, check, is_int
+from .scoring.delegating import Delegating
+from .base import Eviction, EvictionCache
 
 DECODING_SCORERS = ("snapkv", "tova", "keydiff", "knorm", "random", "streaming")
 

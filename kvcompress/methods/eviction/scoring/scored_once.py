@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import check
-from .eviction import Eviction
+from ....errors import check
+from ..base import Eviction
 
 DECODINGS = ("append", "evict")
 

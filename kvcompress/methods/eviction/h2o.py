@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .eviction import Eviction
+from .base import Eviction
 
 
 @dataclass(frozen=True)

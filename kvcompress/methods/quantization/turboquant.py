@@ -54,10 +54,10 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 import numpy as np
 
-from ..attention import install, masked_softmax
-from ..errors import check
-from ..kernels import turboquant_attention
-from .base import CodesCache, Method, PerSideBits, array_bytes, attention_over, dequantized_blocks, write_rows
+from ...attention import install, masked_softmax
+from ...errors import check
+from ...kernels import turboquant_attention
+from ..base import CodesCache, Method, PerSideBits, array_bytes, attention_over, dequantized_blocks, write_rows
 
 BITS = (2, 2.5, 3, 3.5, 4)
 

@@ -40,10 +40,10 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from ..errors import ConfigError, check, is_int
+from ...errors import ConfigError, check, is_int
 from .adakv import headwise_select
-from .eviction import Eviction
-from .prompt_scores import TILE_ELEMENTS, folded_logits
+from .base import Eviction
+from .scoring.prompt_scores import TILE_ELEMENTS, folded_logits
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .eviction import Eviction
-from .prompt_scores import folded_logits
+from .base import Eviction
+from .scoring.prompt_scores import folded_logits
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import check, is_int
-from ..kernels.evict import rotate_pairs
-from .eviction import Eviction, rope_rotations
+from ...errors import check, is_int
+from ...kernels.evict import rotate_pairs
+from .base import Eviction, rope_rotations
 
 
 @dataclass(frozen=True)

@@ -74,14 +74,14 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
-from ..adapter import POSITIONAL_ROPES, AttentionLayer, ModelLayout, positional_rope
-from ..attention import install
-from ..errors import ConfigError, check, is_int
-from ..kernels.evict import evict_one, evict_slot, rotate_pairs
-from ..kernels.scored_attention import EvictAt, free_slot_zeroed, fuses, scored_attention
-from ..kernels.scored_attention import shape_supported as scored_attention_supported
-from .base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
-from .prompt_scores import accumulated_attention, folded_logits
+from ...adapter import POSITIONAL_ROPES, AttentionLayer, ModelLayout, positional_rope
+from ...attention import install
+from ...errors import ConfigError, check, is_int
+from ...kernels.evict import evict_one, evict_slot, rotate_pairs
+from ...kernels.scored_attention import EvictAt, free_slot_zeroed, fuses, scored_attention
+from ...kernels.scored_attention import shape_supported as scored_attention_supported
+from ..base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
+from .scoring.prompt_scores import accumulated_attention, folded_logits
 
 DECODE_MODES = ("accumulate", "replace", "fixed", "grow")
 POSITION_MODES = ("exact", "compact")
@@ -116,7 +116,7 @@ class Eviction(Method):
 
     def __post_init__(self):
         n = self.name
-        from .composed import quantizer_config  # composed.py builds on this module
+        from ..composed import quantizer_config  # composed.py builds on this module
 
         object.__setattr__(self, "quantize", quantizer_config(self, self.quantize))
         check_budget(f"{n}.budget", self.budget)
@@ -255,7 +255,7 @@ class Eviction(Method):
         install()  # the caches attend themselves; without the hook nothing would be scored
         caches = super().make_cache(model)
         if self.quantize is not None:
-            from .composed import compose  # composed.py builds on this module
+            from ..composed import compose  # composed.py builds on this module
 
             compose(self, model, caches)
         return caches
@@ -838,7 +838,7 @@ class EvictionCache(CompressedCache):
 
     @meta_state.setter
     def meta_state(self, v):
-        from . import method_config  # the registry imports this module
+        from .. import method_config  # the registry imports this module
 
         meta = json.loads(v)
         # files from before the question part was appended without eviction

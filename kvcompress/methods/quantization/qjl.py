@@ -42,10 +42,10 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 import numpy as np
 
-from ..attention import install, masked_softmax
-from ..errors import ConfigError, check, is_int
-from ..kernels.kivi_quant import BITS as VALUE_BITS, GROUP_SIZES, quantize_pack
-from .base import CodesCache, Method, array_bytes, attention_over, dequantized_blocks, write_rows
+from ...attention import install, masked_softmax
+from ...errors import ConfigError, check, is_int
+from ...kernels.kivi_quant import BITS as VALUE_BITS, GROUP_SIZES, quantize_pack
+from ..base import CodesCache, Method, array_bytes, attention_over, dequantized_blocks, write_rows
 from .turboquant import pack, unpack
 
 KEY_NAMES = ("k_in_norms", "k_out_norms", "k_out_signs", "k_signs")  # one row per quantized key

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .eviction import Eviction
+from .base import Eviction
 
 
 @dataclass(frozen=True)

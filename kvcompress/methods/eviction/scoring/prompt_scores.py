@@ -35,8 +35,8 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..kernels import dispatch
-from ..kernels import prompt_scores as prompt_kernels
+from ....kernels import dispatch
+from ....kernels import prompt_scores as prompt_kernels
 
 # Float32 logits per tile. CPU: 64 MiB, large enough that Python's per-op cost stays small against
 # the math. GPU: 256 MiB (scratch ~2.5 tiles at the peak: ~0.6 GiB): at 32k a layer's prompt is

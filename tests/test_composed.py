@@ -82,7 +82,7 @@ def test_methods_that_evict_while_decoding_are_refused(method, params):
 
 
 def test_every_method_that_compresses_once_composes():
-    from kvcompress.methods.composed import prompt_once_methods
+    from kvcompress.methods.eviction.base import prompt_once_methods
 
     assert prompt_once_methods() == ["adakv", "criticalkv", "expected_attention", "keydiff", "knorm", "pyramidkv",
                                      "random", "snapkv"]

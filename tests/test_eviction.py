@@ -1,4 +1,4 @@
-"""The eviction base (kvcompress/methods/eviction.py) for every eviction method: positions against
+"""The eviction base (kvcompress/methods/eviction/base.py) for every eviction method: positions against
 attention recomputed from raw keys, batched == a plain per-row loop, chunked drop-in == the
 runner's from_prefill, save/load, head-wise (AdaKV) and layer-wise (PyramidKV) budgets."""
 

@@ -1,4 +1,4 @@
-"""Expected Attention (kvcompress/methods/expected_attention.py): its config, the running query
+"""Expected Attention (kvcompress/methods/eviction/expected_attention.py): its config, the running query
 moments a chunked prompt builds, and the bytes the prompt-time methods of issue 39 free.
 Its selection against kvpress's formula: tests/test_reference_selection.py (real keys and queries)
 and tests/test_eviction.py (random ones, a plain per-row loop)."""

@@ -1,4 +1,4 @@
-"""KVzip (kvcompress/methods/kvzip.py, kvcompress/reconstruct.py): the reconstruction scores against
+"""KVzip (kvcompress/methods/eviction/kvzip.py, kvcompress/reconstruct.py): the reconstruction scores against
 a float64 NumPy restatement of the reference code on random inputs, the head-wise kept sets, the
 padded layout at the budget with the memory freed, the runner and the drop-in path on the
 embedded model, and AdaKV over KVzip's scores."""

@@ -1,4 +1,4 @@
-"""Prompt scoring in bounded memory (kvcompress/methods/prompt_scores.py): tiled == untiled."""
+"""Prompt scoring in bounded memory (kvcompress/methods/eviction/scoring/prompt_scores.py): tiled == untiled."""
 
 import kvcompress  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx

@@ -13,7 +13,8 @@ import pytest
 import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
-from kvcompress.methods import base, method_config
+from kvcompress.methods import method_config
+from kvcompress.methods.quantization import base
 from kvcompress.methods.quantization.qjl import QjlCache, sketch
 from model_fixtures import next_token_kl
 

@@ -1,4 +1,4 @@
-"""StreamingLLM's ring order (kvcompress/methods/eviction.py, `_ring_slot`): an exact-position,
+"""StreamingLLM's ring order (kvcompress/methods/eviction/base.py, `_ring_slot`): an exact-position,
 unpadded cache evicts the oldest non-sink token, whose slot the host tracks as a Python int. Every
 test runs the ring beside the kernel path (`ring_order = False`: `evict_slot` and index-array
 scatters) and asserts that everything observable is bit-identical, step by step."""

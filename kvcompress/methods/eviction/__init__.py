@@ -9,6 +9,7 @@ The base's names are importable from the family too (`from kvcompress.methods.ev
 Eviction`), as they were when the base was the module `methods/eviction.py`.
 """
 
-from .base import PAD, Eviction, EvictionCache, rope_rotations
+from ...adapter import rope_rotations
+from .base import PAD, Eviction, EvictionCache
 
 __all__ = ["PAD", "Eviction", "EvictionCache", "rope_rotations"]

@@ -67,20 +67,21 @@ from __future__ import annotations
 import json
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
-from ...adapter import POSITIONAL_ROPES, AttentionLayer, ModelLayout, positional_rope
+from ...adapter import POSITIONAL_ROPES, AttentionLayer, ModelLayout, positional_rope, rope_rotations
 from ...attention import install
-from ...errors import ConfigError, check, is_int
+from ...errors import ConfigError, build, check, is_int
 from ...kernels.evict import evict_one, evict_slot, rotate_pairs
 from ...kernels.scored_attention import EvictAt, free_slot_zeroed, fuses, scored_attention
 from ...kernels.scored_attention import shape_supported as scored_attention_supported
 from ..base import CompressedCache, Method, array_bytes, budget_tokens, check_budget
+from ..registry import REGISTRY, method_config
 from .scoring.prompt_scores import accumulated_attention, folded_logits
 
 DECODE_MODES = ("accumulate", "replace", "fixed", "grow")
@@ -93,6 +94,69 @@ GROW_STEP = 256  # slots a "grow" cache allocates at a time while decoding
 # kernel, measured 2.7x slower on the H200 at 16k slots (docs/learned.md). Spare
 # slots are not counted as held (`tokens_kept`, `live_kv_bytes`), as mlx-lm's allocation steps are not.
 KV_ALIGN = 256
+
+
+# -- a quantizer that stores the kept tokens (methods/composed.py) ---------------------------------
+
+
+def quantizers() -> dict[str, type[Method]]:
+    """The registered methods that can store an eviction method's kept tokens."""
+    return {name: cls for name, cls in REGISTRY.items() if cls.stores_quantized}
+
+
+def prompt_once_methods() -> list[str]:
+    """The eviction methods that compress the prompt once and never evict while decoding."""
+    return sorted(name for name, cls in REGISTRY.items()
+                  if issubclass(cls, Eviction) and not cls().evicts_while_decoding and not cls().scoring().reconstructs)
+
+
+def refusal(value: Any) -> str:
+    """Why the quantizer `value` (a config or a mapping naming one) cannot store an eviction method's
+    kept tokens, where it is a registered quantizer that says so ("" otherwise)."""
+    name = type(value).name if isinstance(value, Method) else value.get("name") if isinstance(value, dict) else None
+    cls = REGISTRY.get(name) if isinstance(name, str) else None
+    return f"{name} cannot store an eviction method's kept tokens: {cls.store_refusal}" if cls and cls.store_refusal else ""
+
+
+def quantizer_config(owner: Eviction, value: Any) -> Method | None:
+    """`owner.quantize` validated into a quantizer config (None stays None); ConfigError naming
+    `<method>.quantize...` and the allowed values."""
+    if value is None:
+        return None
+    field, allowed = f"{owner.name}.quantize", quantizers()
+    refused = refusal(value)
+    if refused:
+        raise ConfigError(f"{field}.name: {refused}; expected one of {sorted(allowed)}")
+    if isinstance(value, Method):
+        if type(value).name not in allowed:
+            raise ConfigError(f"{field}: expected a quantizer config, one of {sorted(allowed)}, got {value.label()!r}")
+        config = value
+    elif isinstance(value, dict):
+        if "name" not in value:
+            raise ConfigError(f"{field}.name: expected one of {sorted(allowed)}, got no name in {value!r}")
+        params = {k: v for k, v in value.items() if k != "name"}
+        try:
+            config = build(f"{field}.name", allowed, value["name"], params)
+        except ConfigError as exc:
+            message = str(exc)
+            raise ConfigError(message if message.startswith(field) else f"{field}: {message}") from None
+        except TypeError as exc:
+            raise ConfigError(f"{field}: {exc}") from None
+    else:
+        raise ConfigError(f"{field}: expected a mapping such as {{'name': 'kivi', 'bits': 4}} or None, got {value!r}")
+    if config.layers != "global":
+        raise ConfigError(f"{field}.layers: the eviction method's own `layers` says which layers are compressed; "
+                          f"expected it unset, got {config.layers!r}")
+    if owner.evicts_while_decoding:
+        raise ConfigError(
+            f"{field}: {owner.name} evicts while decoding, and a token cannot be evicted from quantized storage "
+            f"exactly (KIVI packs keys in groups of tokens); expected None, or a method that compresses the prompt "
+            f"once: one of {prompt_once_methods()} (as configured by default)")
+    if owner.scoring().reconstructs:  # the pass runs in kvcompress.compress_prompt over EvictionCaches only
+        raise ConfigError(
+            f"{field}: {owner.scoring().name} selects after a reconstruction pass over the prompt, which a "
+            f"composed cache does not run (not built yet); expected None, or one of {prompt_once_methods()}")
+    return config
 
 
 @dataclass(frozen=True)
@@ -113,11 +177,12 @@ class Eviction(Method):
     # ...} or a quantizer config, held as the validated config; None keeps them in full precision.
     # Keyword-only, as `layers`.
     quantize: Any = field(default=None, kw_only=True)
+    # Wraps the eviction caches with the quantizer's, in place: methods/composed.py's `compose`, set there,
+    # as the composition builds on this module (a lower module does not import a higher one).
+    compose: ClassVar[Callable[[Eviction, Any, list], None]]
 
     def __post_init__(self):
         n = self.name
-        from ..composed import quantizer_config  # composed.py builds on this module
-
         object.__setattr__(self, "quantize", quantizer_config(self, self.quantize))
         check_budget(f"{n}.budget", self.budget)
         recent_ok = (is_int(self.recent) and self.recent >= 0) or (isinstance(self.recent, float) and 0.0 <= self.recent < 1.0)
@@ -255,9 +320,7 @@ class Eviction(Method):
         install()  # the caches attend themselves; without the hook nothing would be scored
         caches = super().make_cache(model)
         if self.quantize is not None:
-            from ..composed import compose  # composed.py builds on this module
-
-            compose(self, model, caches)
+            self.compose(self, model, caches)
         return caches
 
     def layer_cache(self, layer: AttentionLayer, i: int, n: int, layout: ModelLayout) -> "EvictionCache":
@@ -276,28 +339,6 @@ class Eviction(Method):
     def cache_type(self) -> type:
         """The cache class (the decoding wrapper's adds compression every N steps to this one)."""
         return EvictionCache
-
-
-def rope_rotations(rope, head_dim: int, count: int, start: int = 0) -> tuple[mx.array, mx.array]:
-    """cos, sin [count, dims/2] of the model's own RoPE at positions start..start+count-1.
-
-    Read off the module by rotating a probe vector (1 in the first element of every pair), so the
-    base, any frequency scaling and the pair layout are the model's, not assumptions. Scaled RoPEs
-    (SuScaledRoPE, YaRN) also multiply the rotated part by a constant: the pairs are divided by
-    their length, leaving the rotation alone (keys carry that factor once already).
-    """
-    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None) or head_dim  # SuScaledRoPE: `dim`
-    traditional = getattr(rope, "traditional", False)
-    first = mx.arange(head_dim)
-    first = ((first % 2 == 0) & (first < dims)) if traditional else (first < dims // 2)
-    probe = mx.zeros((1, 1, count, head_dim), mx.float32) + first.astype(mx.float32)
-    out = (rope(probe, offset=start) if start else rope(probe))[0, 0]
-    if traditional:
-        cos, sin = out[:, 0:dims:2], out[:, 1:dims:2]
-    else:
-        cos, sin = out[:, : dims // 2], out[:, dims // 2 : dims]
-    length = mx.sqrt(cos * cos + sin * sin)
-    return cos / length, sin / length
 
 
 class EvictionCache(CompressedCache):
@@ -838,8 +879,6 @@ class EvictionCache(CompressedCache):
 
     @meta_state.setter
     def meta_state(self, v):
-        from .. import method_config  # the registry imports this module
-
         meta = json.loads(v)
         # files from before the question part was appended without eviction
         meta.setdefault("held_limit", meta["capacity"])

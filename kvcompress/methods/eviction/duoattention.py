@@ -46,12 +46,13 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
-from ...adapter import AttentionLayer, model_layout, native_cache
+from ...adapter import AttentionLayer, model_layout, native_cache, rope_rotations
 from ...attention import install
 from ...errors import ConfigError, check, is_int
 from ...kernels.evict import rotate_pairs
 from ..base import CompressedCache, array_bytes
-from .base import PAD, Eviction, EvictionCache, rope_rotations
+from ..registry import method_config
+from .base import PAD, Eviction, EvictionCache
 from .streaming import Streaming
 
 SAMPLES, SAMPLE_TOKENS, QUERY_TOKENS = 4, 256, 500  # kvpress: 50 texts, q_len 500
@@ -412,8 +413,6 @@ class DuoAttentionCache(CompressedCache):
 
     @meta_state.setter
     def meta_state(self, v):
-        from .. import method_config  # the registry imports this module
-
         meta = json.loads(v)
         self.config = method_config(**meta["config"])
         self.scores = [np.array(s, np.float64) for s in meta["scores"]]

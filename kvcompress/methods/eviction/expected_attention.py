@@ -14,7 +14,7 @@ expected contribution to the output. The first `n_sink` tokens are always kept. 
 compressed once; generated tokens are appended (kvpress's prefill press).
 
 Pre-RoPE queries come from the post-RoPE ones the attention sees, rotated back with the model's own
-RoPE module (kvcompress/methods/eviction.py's rope_rotations; scaled RoPEs' constant factor stays on
+RoPE module (kvcompress/methods/eviction/base.py's rope_rotations; scaled RoPEs' constant factor stays on
 both the queries and R_bar's rotations, as it does on the future queries); kvpress recomputes them
 from the hidden states with the layer's query projection. The moments are kept as running sums
 (count, mean and centred second moment, merged per chunk, Chan et al.), so a drop-in prompt that
@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ...adapter import rope_rotations
 from ...errors import check, is_int
 from ...kernels.evict import rotate_pairs
-from .base import Eviction, rope_rotations
+from .base import Eviction
 
 
 @dataclass(frozen=True)

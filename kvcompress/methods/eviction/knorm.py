@@ -3,7 +3,7 @@
 The paper finds a low key norm predicts high attention; the score needs no queries. By default the
 prompt is compressed once and generated tokens are appended (kvpress's `KnormPress`, the paper's
 evaluation); `decoding="evict"` keeps the budget while decoding, evicting the highest-norm
-unprotected key, and needs sinks or a recent window (kvcompress/methods/scored_once.py says why).
+unprotected key, and needs sinks or a recent window (kvcompress/methods/eviction/scoring/scored_once.py says why).
 RoPE rotates pairs, so post-RoPE norms equal the paper's pre-RoPE norms.
 """
 

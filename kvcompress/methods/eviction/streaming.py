@@ -24,7 +24,7 @@ class Streaming(Eviction):
     budget: int | float = 0.5
     n_sink: int = 4
     decode = "fixed"
-    score_is_position = True  # so an exact cache evicts in ring order on the host (eviction.py)
+    score_is_position = True  # so an exact cache evicts in ring order on the host (base.py)
 
     def score_new(self, cache, keys, positions):
         return positions.astype(mx.float32)  # exact below 2**24 tokens

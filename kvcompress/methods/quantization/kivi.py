@@ -30,7 +30,8 @@ from mlx_lm.models.cache import create_attention_mask
 from ...kernels.kivi_attention import PackedSide, decode_attention, used_keys, used_values
 from ...kernels.kivi_quant import BITS, GROUP_SIZES, quantize_pack
 from ...errors import ConfigError, check, is_int
-from ..base import CompressedCache, Method, PerSideBits, array_bytes, attends_on_codes
+from ..base import CompressedCache, Method, array_bytes
+from .base import PerSideBits, attends_on_codes
 
 RESIDUAL_POLICIES = ("paper", "grouped")
 VALUE_ROWS_STEP = 256  # spare value rows allocated at a time while decoding

@@ -44,13 +44,12 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 import numpy as np
 
-from ...adapter import POSITIONAL_ROPES, positional_rope
+from ...adapter import POSITIONAL_ROPES, positional_rope, rope_rotations
 from ...attention import install
 from ...errors import ConfigError, check, is_int
 from ...kernels.evict import rotate_pairs
-from ..base import CompressedCache, Method, PerSideBits, array_bytes, attention_over, dequantized_blocks
-from ..eviction.base import rope_rotations
-from .turboquant import pack, unpack
+from ..base import CompressedCache, Method, array_bytes
+from .base import PerSideBits, attention_over, dequantized_blocks, pack, unpack
 
 BITS = (2, 3, 4)
 CODEBOOKS = ("layer", "channel")

@@ -45,8 +45,8 @@ import numpy as np
 from ...attention import install, masked_softmax
 from ...errors import ConfigError, check, is_int
 from ...kernels.kivi_quant import BITS as VALUE_BITS, GROUP_SIZES, quantize_pack
-from ..base import CodesCache, Method, array_bytes, attention_over, dequantized_blocks, write_rows
-from .turboquant import pack, unpack
+from ..base import Method, array_bytes
+from .base import CodesCache, attention_over, dequantized_blocks, pack, unpack, write_rows
 
 KEY_NAMES = ("k_in_norms", "k_out_norms", "k_out_signs", "k_signs")  # one row per quantized key
 VALUE_NAMES = ("v_codes", "v_scales", "v_zeros")  # one row per quantized value

@@ -57,7 +57,8 @@ import numpy as np
 from ...attention import install, masked_softmax
 from ...errors import check
 from ...kernels import turboquant_attention
-from ..base import CodesCache, Method, PerSideBits, array_bytes, attention_over, dequantized_blocks, write_rows
+from ..base import Method, array_bytes
+from .base import CodesCache, PerSideBits, attention_over, dequantized_blocks, pack, unpack, write_rows
 
 BITS = (2, 2.5, 3, 3.5, 4)
 
@@ -138,45 +139,6 @@ def sketch_matrix(heads: int, dim: int, seed: int) -> mx.array:
     return mx.array(np.random.default_rng(seed + 1).standard_normal((heads, dim, dim)).astype(np.float32))
 
 
-def pack(codes: mx.array, bits: int) -> mx.array:
-    """codes [..., D] (ints < 2^bits) -> [..., ceil(D * bits / 32)] uint32, a little-endian bit
-    stream (the last word zero-padded where D * bits is not a multiple of 32). 32 codes fill `bits`
-    words exactly; word k of such a group is the sum (an OR: the fields are disjoint) of the run of
-    codes that overlap it, each shifted to where it starts (bits past 32 drop: they belong to the next
-    word), the first shifted down where it began in word k - 1. The transients stay [..., D] (not a
-    [..., D * bits] bit array: a prefill chunk's quantization must not hold `bits` x its codes)."""
-    *lead, dim = codes.shape
-    pad = -dim % 32
-    codes = codes.astype(mx.uint32)
-    if pad:
-        codes = mx.concatenate([codes, mx.zeros((*lead, pad), mx.uint32)], axis=-1)
-    groups = codes.reshape(*lead, (dim + pad) // 32, 32)  # [..., n_groups, 32]
-    words = []
-    for k in range(bits):
-        first, last = 32 * k // bits, min(31, (32 * k + 31) // bits)  # the codes overlapping word k
-        start = np.arange(first, last + 1) * bits - 32 * k  # where each starts in word k (< 0: in word k - 1)
-        up, down = (mx.array(np.maximum(sign * start, 0).astype(np.uint32)) for sign in (1, -1))
-        words.append(((groups[..., first : last + 1] << up) >> down).sum(axis=-1).astype(mx.uint32))
-    words = mx.stack(words, axis=-1).reshape(*lead, -1)  # [..., n_groups * bits]
-    return words[..., : -(-dim * bits // 32)]
-
-
-def unpack(words: mx.array, bits: int, dim: int) -> mx.array:
-    """The inverse of `pack`: [..., W] uint32 -> codes [..., dim] uint32. Code j sits at bit j * bits:
-    its low part in word j * bits // 32, shifted down, and where it straddles two words, its high part
-    at the bottom of the next. Works on gathered words, [..., dim] at a time (not a [..., W, 32] bit
-    array: the dequantization of a long context must not hold `bits` x its codes' floats)."""
-    start = np.arange(dim) * bits
-    word, shift = start // 32, start % 32
-    low = mx.take(words, mx.array(word.astype(np.int32)), axis=-1) >> mx.array(shift.astype(np.uint32))
-    straddles = shift + bits > 32
-    if straddles.any():
-        high = mx.take(words, mx.array(np.minimum(word + 1, words.shape[-1] - 1).astype(np.int32)), axis=-1)
-        up = mx.array(np.where(straddles, 32 - shift, 0).astype(np.uint32))  # 0: no high part (masked below)
-        low = low | mx.where(mx.array(straddles), high << up, 0).astype(mx.uint32)
-    return low & (2**bits - 1)
-
-
 def nearest(u: mx.array, centroids: mx.array) -> mx.array:
     """Index of the nearest centroid (ascending) for each coordinate of u: the number of cell edges
     (midpoints, float32) below it, counted one edge at a time in uint8 (not a [..., 2^b - 1] array of
@@ -201,7 +163,9 @@ class Codec:
         self.rotation = random_rotation(heads, dim, seed)  # [H, dim, dim]
         self.sketch = sketch_matrix(heads, dim, seed) if qjl else None  # [H, dim, dim]
         self.code_bits = bits - 1 if qjl else bits
-        self.codebook = mx.array(codebook(dim, self.code_bits).astype(np.float32))
+        centroids = codebook(dim, self.code_bits).astype(np.float32)
+        self.codebook = mx.array(centroids)
+        self.centroids = tuple(float(x) for x in centroids)  # for the fused kernel's constants
 
     def quantize(self, x: mx.array) -> dict[str, mx.array]:
         """x [B, H, S, dim] -> the stored arrays of S tokens."""
@@ -397,7 +361,7 @@ class TurboQuantCache(CodesCache):
         with the call's fresh tokens exactly (kernels/turboquant_attention.py); None where the kernel
         does not take the call (or failed its self-test): the caller runs the reference."""
         keys, values = self.key_side.coded(self.arrays), self.value_side.coded(self.arrays)
-        backend = turboquant_attention.decode_backend(q, keys, values, n, dtype)
+        backend = turboquant_attention.decode_backend(q, keys, values, n, dtype, selftest_case)
         if backend is None:
             return None
         out, lse = turboquant_attention.attention_on_codes_fused(q, keys, values, n, scale, backend)
@@ -458,6 +422,31 @@ class TurboQuantCache(CodesCache):
         self.arrays = dict(zip(names, arrays[: len(names)]))
         self.offset = self.arrays["k_norms"].shape[2]
         self._fresh = None
+
+
+def random_case(key_bits: int, value_bits: int, D: int, M: int, qjl: bool = True, seed: int = 0, T: int = 300,
+                heads: int = 2):
+    """A random decode problem on a real TurboQuantCache: (q [1, heads, M, D] float32, keys, values, n).
+
+    Used by the kernel's self-test (`selftest_case`), the tests and the benchmarks. The cache holds T tokens (the default: two tiles
+    and part of a third) written as a prompt and then a token at a time, so its buffers have spare rows."""
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    k = mx.random.normal((1, heads, T, D), key=k1)
+    v = mx.random.normal((1, heads, T, D), key=k2)
+    q = mx.random.normal((1, heads, M, D), key=k3)
+    cache = TurboQuantCache(key_bits, value_bits, seed, qjl)
+    prompt = max(1, T - 2)
+    cache.update_and_fetch(k[:, :, :prompt], v[:, :, :prompt])
+    for t in range(prompt, T):
+        cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    return q, cache.key_side.coded(cache.arrays), cache.value_side.coded(cache.arrays), T
+
+
+def selftest_case(variant: tuple) -> tuple:
+    """The decode kernel's self-test case for `variant` (key code bits, value bits, head dim, query rows,
+    QJL): kernels/turboquant_attention.py takes it from here, as a kernel imports no method."""
+    code_bits, value_bits, D, M, qjl = variant
+    return random_case(code_bits + qjl, value_bits, D, M, qjl, seed=1)
 
 
 # mlx-lm's load_prompt_cache looks cache classes up by name in mlx_lm.models.cache's globals.

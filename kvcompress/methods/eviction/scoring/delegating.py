@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ....errors import check
+from ...registry import REGISTRY
 from ..base import Eviction
 
 # every eviction method that scores the prompt itself (not one that delegates)
@@ -39,8 +40,6 @@ class Delegating(Eviction):
         return self.scoring().reconstructs
 
     def scoring(self) -> Eviction:
-        from ... import REGISTRY  # the registry imports this module
-
         return REGISTRY[self.scorer](budget=self.budget)
 
     def resolve(self, prompt_tokens: int, layer: int = 0, n_layers: int = 1) -> tuple[int, int]:

@@ -37,8 +37,9 @@ def _config(label: str) -> str:
     return label.replace(" protocol=query_agnostic", "")
 
 
-def pivot(con) -> None:
-    """Compact tables: rows = configs, columns = tasks."""
+def pivot(con) -> str:
+    """Compact tables: rows = configs, columns = tasks (markdown; benchmarks/tables.py publishes them)."""
+    lines = []
     columns, rows = run_report(con, "paired")
     paired = [dict(zip(columns, r)) for r in rows]
     columns, rows = run_report(con, "evidence")
@@ -51,9 +52,9 @@ def pivot(con) -> None:
         tasks = sorted({r["task"] for r in cells})
         configs = sorted({_config(r["config_label"]) for r in cells}, key=lambda c: (c != "full", c))
         ns = {t: sorted({r["n"] for r in cells if r["task"] == t}) for t in tasks}
-        print(f"\n### {sweep}: {protocol}, {context} tokens: score, paired difference vs full [95% CI], verdict\n")
-        print("| config | " + " | ".join(f"{t} (n={'/'.join(map(str, ns[t]))})" for t in tasks) + " | evidence kept (mean over tasks) |")
-        print("|---" * (len(tasks) + 2) + "|")
+        lines.append(f"\n### {sweep}: {protocol}, {context} tokens: score, paired difference vs full [95% CI], verdict\n")
+        lines.append("| config | " + " | ".join(f"{t} (n={'/'.join(map(str, ns[t]))})" for t in tasks) + " | evidence kept (mean over tasks) |")
+        lines.append("|---" * (len(tasks) + 2) + "|")
         for config in configs:
             row = []
             kept = []
@@ -72,7 +73,8 @@ def pivot(con) -> None:
                 if e and e["evidence_kept_mean"] is not None:
                     kept.append(e["evidence_kept_mean"])
             row.append(f"{sum(kept) / len(kept):.2f}" if kept else "-")
-            print(f"| {config} | " + " | ".join(row) + " |")
+            lines.append(f"| {config} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def protocols(con) -> None:
@@ -111,7 +113,7 @@ def main() -> None:
     con = connect(args.results, args.baseline)
     if args.pivot or args.protocols:
         if args.pivot:
-            pivot(con)
+            print(pivot(con))
         if args.protocols:
             protocols(con)
         return

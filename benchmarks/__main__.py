@@ -1,4 +1,6 @@
-"""The benchmark suites: `python -m benchmarks SUITE [SUITE ...] [--gpu] [--quick]`.
+"""The benchmark suites: `python -m benchmarks SUITE [SUITE ...] [--gpu] [--quick]`; and
+`python -m benchmarks tables [--check]`: every published table, written from the stored results
+(benchmarks/tables.py).
 
 Each suite runs the scripts behind the documented tables, each in a process of its own (one
 benchmark's JIT, allocator or buffer-cache state must not time the next; docs/learned.md, "How to

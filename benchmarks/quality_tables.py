@@ -77,8 +77,8 @@ def pivot(con) -> str:
     return "\n".join(lines)
 
 
-def protocols(con) -> None:
-    """Query-aware vs query-agnostic, paired on the sample: same config, task, context and sample id."""
+def protocols(con) -> str:
+    """Query-aware vs query-agnostic, paired on the sample: same config, task, context and sample id (markdown)."""
     from kvcompress.stats import compare
 
     rows = con.execute("""
@@ -89,18 +89,21 @@ def protocols(con) -> None:
     cells: dict = {}
     for sweep, task, context, config, sample, protocol, score in rows:
         cells.setdefault((sweep, task, context, config), {}).setdefault(sample, {})[protocol] = score
-    print("| sweep | task | context | config | n | aware | agnostic | aware - agnostic [95% CI] | McNemar p | verdict |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    lines = ["| sweep | task | context | config | n | aware | agnostic | aware - agnostic [95% CI] | McNemar p | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (sweep, task, context, config), samples in sorted(cells.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        both = [(v["query_aware"], v["query_agnostic"]) for v in samples.values() if len(v) == 2]
+        # in sample order: the bootstrap resamples positions, so the same pairs in another order (DuckDB
+        # returns a GROUP BY in no set order) would give another interval
+        both = [(v["query_aware"], v["query_agnostic"]) for _, v in sorted(samples.items()) if len(v) == 2]
         if not both:
             continue
         aware, agnostic = [a for a, _ in both], [b for _, b in both]
         r = compare(aware, agnostic)
         p = "-" if r.mcnemar_p is None else f"{r.mcnemar_p:.3g}"
         verdict = {"better": "aware better", "worse": "agnostic better"}.get(r.verdict, r.verdict)
-        print(f"| {sweep} | {task} | {context} | {config} | {r.n} | {sum(aware) / r.n:.2f} | {sum(agnostic) / r.n:.2f} | "
-              f"{r.diff_mean:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}] | {p} | {verdict} |")
+        lines.append(f"| {sweep} | {task} | {context} | {config} | {r.n} | {sum(aware) / r.n:.2f} | {sum(agnostic) / r.n:.2f} | "
+                     f"{r.diff_mean:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}] | {p} | {verdict} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -115,7 +118,7 @@ def main() -> None:
         if args.pivot:
             print(pivot(con))
         if args.protocols:
-            protocols(con)
+            print(protocols(con))
         return
     print("## Scores (Wilson 95% CI)\n")
     print(table(con, "summary", SUMMARY))

@@ -365,3 +365,25 @@ def _output_projection(call: dict, spies: list[_InputSpy]) -> OutputProjection |
 def positional_rope(rope) -> bool:
     """Whether `rope` rotates by position alone (see POSITIONAL_ROPES)."""
     return rope is not None and type(rope).__name__ in POSITIONAL_ROPES
+
+
+def rope_rotations(rope, head_dim: int, count: int, start: int = 0) -> tuple[mx.array, mx.array]:
+    """cos, sin [count, dims/2] of the model's own RoPE at positions start..start+count-1.
+
+    Read off the module by rotating a probe vector (1 in the first element of every pair), so the
+    base, any frequency scaling and the pair layout are the model's, not assumptions. Scaled RoPEs
+    (SuScaledRoPE, YaRN) also multiply the rotated part by a constant: the pairs are divided by
+    their length, leaving the rotation alone (keys carry that factor once already).
+    """
+    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None) or head_dim  # SuScaledRoPE: `dim`
+    traditional = getattr(rope, "traditional", False)
+    first = mx.arange(head_dim)
+    first = ((first % 2 == 0) & (first < dims)) if traditional else (first < dims // 2)
+    probe = mx.zeros((1, 1, count, head_dim), mx.float32) + first.astype(mx.float32)
+    out = (rope(probe, offset=start) if start else rope(probe))[0, 0]
+    if traditional:
+        cos, sin = out[:, 0:dims:2], out[:, 1:dims:2]
+    else:
+        cos, sin = out[:, : dims // 2], out[:, dims // 2 : dims]
+    length = mx.sqrt(cos * cos + sin * sin)
+    return cos / length, sin / length

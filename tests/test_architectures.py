@@ -33,7 +33,7 @@ from kvcompress.adapter import model_layout, positional_rope
 from kvcompress.errors import ConfigError
 from kvcompress.kernels.evict import rotate_pairs
 from kvcompress.memory import live_kv_bytes
-from kvcompress.methods.eviction import rope_rotations
+from kvcompress.adapter import rope_rotations
 from kvcompress.reconstruct import ReconstructionPrompt, reconstruct
 
 PROMPT, ANSWER = 40, 8

@@ -13,8 +13,9 @@ import pytest
 import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
-from kvcompress.methods import base, method_config
-from kvcompress.methods.qjl import QjlCache, sketch, values_product
+from kvcompress.methods import method_config
+from kvcompress.methods.quantization import base
+from kvcompress.methods.quantization.qjl import QjlCache, sketch, values_product
 from model_fixtures import next_token_kl
 
 

@@ -225,10 +225,13 @@ class DuoAttentionCache(CompressedCache):
         return self._rope
 
     @rope.setter
-    def rope(self, rope):  # kvcompress.load_prompt_cache gives it back after a load
+    def rope(self, rope):
         self._rope = rope
         if self.streaming is not None:
             self.streaming.rope = rope
+
+    def attach(self, layer) -> None:
+        self.rope = layer.rope
 
     # -- head groups ---------------------------------------------------------------------------
 

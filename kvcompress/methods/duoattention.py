@@ -384,7 +384,7 @@ class DuoAttentionCache(CompressedCache):
             kv = list(self.prompt.keys_and_values()) if not self.prompt.empty() else [None, None]
         else:
             kv = list(self.retrieval.keys_and_values()) if self.retrieval is not None else [None, None]
-        part = list(self.streaming.state) if self.streaming is not None else [None] * 7
+        part = list(self.streaming.state) if self.streaming is not None else [None] * 8  # EvictionCache.state's
         return [*kv, *part, self.meta_state]
 
     @state.setter

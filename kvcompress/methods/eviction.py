@@ -883,8 +883,6 @@ class MissingRope:
     Calling it raises, so a cache that needs the rotation says how to load it instead of treating the
     layer as one without RoPE."""
 
-    traditional = False  # never read: the cache keeps the layer's own flag (`traditional`)
-
     def __call__(self, *args, **kwargs):
         raise RuntimeError("this cache was loaded without its model and needs the model's RoPE here: load it "
                            "with kvcompress.load_prompt_cache(path, model)")

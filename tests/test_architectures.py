@@ -54,7 +54,8 @@ ATTENTION_REFUSED = {  # no kvcompress cache can serve these models' attention l
     "falcon_h1": "no global attention layer",  # attention and Mamba side by side in a CacheList
 }
 # a layer's keys read outside its attention call (KV sharing across layers): only `full` serves them
-KV_SHARING_REFUSED = {name: "read outside its own attention call" for name in ("gemma4_kv_shared", "iquestloopcoder", "afm7")}
+KV_SHARING_REFUSED = {name: "read outside its own attention call"
+                      for name in ("gemma4_kv_shared", "iquestloopcoder", "afm7")}
 EVICTION_REFUSED = {"deepseek_v2": "values have 32 dims and its keys 48"}
 # CriticalKV reads W_o v: no module takes Qwen3-Next's attention output as it is (it is gated first)
 OUTPUT_PROJECTION_REFUSED = {"qwen3_next": "no output projection"}

@@ -161,7 +161,7 @@ def test_the_settings_compress_something(tiny_llama, key):
 
 def test_the_decoding_wrapper_compresses_after_the_mid_answer_save(tiny_llama):
     """The mid-answer save of `decoding` falls between its window filling and its compression, so the
-    loaded cache compresses with the saved generated queries (the last test would not notice otherwise)."""
+    loaded cache compresses with the saved generated queries: the equality test covers that compression."""
     config = method_config("decoding", **METHODS["decoding"])
     run = Run(tiny_llama, config.make_cache(tiny_llama), _prompt())
     calls = _calls(config, run.tokens, ANSWER_STEPS["decoding"])

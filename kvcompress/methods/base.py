@@ -181,6 +181,10 @@ class CompressedCache(_BaseCache):
         self.update_and_fetch(keys, values)
         self.forget_call()
 
+    def attach(self, layer: AttentionLayer) -> None:
+        """Give a loaded cache what a file cannot hold: its layer's modules (the RoPE, an output
+        projection), where it reads them (`kvcompress.load_prompt_cache(path, model)` calls this)."""
+
     def forget_call(self) -> None:
         """Drop what the current call held for its own attention, where no attention follows an update
         (a prefill handed over, a composed cache's hand-over): otherwise a quantizer would keep the

@@ -162,6 +162,11 @@ class ComposedCache(CompressedCache):
     def empty(self):
         return self.eviction is not None and self.eviction.empty()
 
+    def attach(self, layer) -> None:
+        if self.eviction is not None:
+            self.eviction.attach(layer)
+        self.store.attach(layer)
+
     # -- what it holds --------------------------------------------------------------------------
 
     @property

@@ -55,11 +55,15 @@ float32 buffer costs 0.08 ms, the same scatter with a second reference alive 44 
 - "grow" methods append into spare room allocated GROW_STEP slots at a time (as mlx-lm's KVCache).
 - while decoding on CUDA, key and value buffers are allocated in multiples of KV_ALIGN slots (see there).
 
-Save/load: `state` holds the arrays and one JSON string with everything else, so mlx-lm's
+Save/load: `state` holds the arrays, what the pending compression needs of the prompt's queries
+(`query_summary`: a saved prompt, or a decoding cache between compressions, compresses at its next
+call exactly as the original would) and one JSON string with everything else, so mlx-lm's
 `save_prompt_cache` writes it; mlx-lm's `load_prompt_cache` finds classes by name in
-`mlx_lm.models.cache` only, so importing this module registers `EvictionCache` there.
-`kvcompress.load_prompt_cache(path, model)` also re-attaches the model's RoPE module, which
-compact-position caches need for a multi-token call after loading.
+`mlx_lm.models.cache` only, so importing this module registers `EvictionCache` there. Modules cannot
+be saved: `kvcompress.load_prompt_cache(path, model)` gives the layer's RoPE and output projection
+back (`attach`). Loaded without the model, a cache whose layer has a RoPE holds `MissingRope`, which
+raises where the RoPE is needed (compact positions, Expected Attention's pending compression)
+instead of computing as if the layer had none.
 """
 
 from __future__ import annotations
@@ -173,6 +177,9 @@ class Eviction(Method):
     # token is always the oldest one: an exact-position cache then evicts in ring order, tracked on
     # the host (EvictionCache._ring_slot), and writes a new token's score as a Python float.
     score_is_position: ClassVar[bool] = False
+    # Set by methods that read the layer's attention output projection W_o (CriticalKV, KVzip+): their
+    # caches get it from `make_cache` and, loaded, from `kvcompress.load_prompt_cache(path, model)`.
+    reads_output_projection: ClassVar[bool] = False
     # A quantizer that stores the kept tokens (methods/composed.py): a mapping {"name": "kivi", "bits": 4,
     # ...} or a quantizer config, held as the validated config; None keeps them in full precision.
     # Keyword-only, as `layers`.
@@ -343,7 +350,9 @@ class Eviction(Method):
                 f"rotate by position alone (one of {POSITIONAL_ROPES}); {layout.model_class} layer "
                 f"{layer.index}: {found}; use positions='exact'")
         # i, n: PyramidKV's layer-wise budgets run over the layers this method compresses
-        return self.cache_type()(self, i, n, layer.n_kv_heads, layer.head_dim, layer.rope, layer.scale)
+        cache = self.cache_type()(self, i, n, layer.n_kv_heads, layer.head_dim, layer.rope, layer.scale)
+        cache.attach(layer)
+        return cache
 
     def cache_type(self) -> type:
         """The cache class (the decoding wrapper's adds compression every N steps to this one)."""
@@ -780,8 +789,6 @@ class EvictionCache(CompressedCache):
 
         keys = take(self.keys)
         if self.config.positions == "compact":
-            if self.rope is None:
-                raise RuntimeError("a compact-position cache needs the model's RoPE: kvcompress.load_prompt_cache(path, model)")
             # slot keep[i] was rotated at position keep[i] (slot index); move it to i
             cos, sin = rope_rotations(self.rope, self.head_dim, n)
             back = keep - mx.arange(keep.shape[1])[None]
@@ -863,20 +870,32 @@ class EvictionCache(CompressedCache):
     def _set_offset(self):
         self.offset = self.position if self.config.positions == "exact" else self.length
 
+    def attach(self, layer: AttentionLayer) -> None:
+        """Give a loaded cache its layer's modules back: the RoPE and, where the method reads it, the
+        output projection (kvcompress.load_prompt_cache(path, model))."""
+        self.rope = layer.rope
+        if self.config.reads_output_projection or self.scorer.reads_output_projection:
+            self.out_proj = layer.out_proj
+
     # -- save / load ------------------------------------------------------------------------------
 
     @property
     def state(self):
         # the slots in use; a free slot is saved with position PAD and found again on load
         cos, sin = self.rope_step or (None, None)
-        return self.keys, self.values, self.scores, self.kept_positions(), cos, sin, self.meta_state
+        return (self.keys, self.values, self.scores, self.kept_positions(), cos, sin, self.query_summary,
+                self.meta_state)
 
     @state.setter
     def state(self, v):
-        keys, values, scores, positions, cos, sin, meta = v
+        # files from before the query summary was saved have one element fewer (and none pending)
+        keys, values, scores, positions, cos, sin, *summary, meta = v
         self._set(keys, values, scores, positions)
         self.rope_step = None if cos is None else (cos, sin)
         self.meta_state = meta
+        # mlx-lm's loader gives a saved tuple back as a list
+        summary = summary[0] if summary else None
+        self.query_summary = tuple(summary) if isinstance(summary, list) else summary
 
     @property
     def meta_state(self) -> str:
@@ -884,7 +903,7 @@ class EvictionCache(CompressedCache):
         fields = ("layer", "n_layers", "n_kv_heads", "head_dim", "scale", "traditional", "batch", "position", "offset",
                   "prompt_len", "capacity", "recent", "padded", "held_limit", "answer_start")
         meta = {"config": json.loads(self.config.to_json()), **{f: getattr(self, f) for f in fields}}
-        return json.dumps({**meta, "free_slot": self.free is not None})
+        return json.dumps({**meta, "free_slot": self.free is not None, "rope": self.rope is not None})
 
     @meta_state.setter
     def meta_state(self, v):
@@ -896,13 +915,25 @@ class EvictionCache(CompressedCache):
         self.scorer = self.config.scoring()
         if meta.pop("free_slot", False):  # saved as position PAD (exact caches are never padded then)
             self.free = mx.argmax(self._positions == PAD, axis=1).astype(mx.int32)
+        had_rope = meta.pop("rope", True)  # files from before it was saved: assume the layer had one
         for field, value in meta.items():
             setattr(self, field, value)
-        if not hasattr(self, "rope"):  # restored by from_state: no model here
-            self.rope, self.query_summary, self._unscored, self._new_keys = None, None, 0, None
+        if not hasattr(self, "rope"):  # restored by from_state: no model here (`attach` gives it back)
+            self.rope = MissingRope() if had_rope else None
+            self.query_summary, self._unscored, self._new_keys = None, 0, None
             self.out_proj, self.chunk, self.reconstructed = None, None, False
         if self.free is not None:  # a file from before the free slot's score was kept at 0 may hold another
             self._zero_free_score()
+
+
+class MissingRope:
+    """The RoPE of a cache loaded without its model (mlx-lm's own loader): a module cannot be saved.
+    Calling it raises, so a cache that needs the rotation says how to load it instead of treating the
+    layer as one without RoPE."""
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("this cache was loaded without its model and needs the model's RoPE here: load it "
+                           "with kvcompress.load_prompt_cache(path, model)")
 
 
 def _on_cuda() -> bool:

@@ -39,6 +39,7 @@ class CriticalKV(Delegating):
     """
 
     name = "criticalkv"
+    reads_output_projection = True
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
 
@@ -56,9 +57,7 @@ class CriticalKV(Delegating):
             raise ConfigError(
                 f"{self.name}: {layout.model_class} layer {layer.index} has no output projection that takes its "
                 f"attention heads' outputs as they are (kvcompress/adapter.py found none), so W_o v is unknown")
-        cache = super().layer_cache(layer, i, n, layout)
-        cache.out_proj = layer.out_proj
-        return cache
+        return super().layer_cache(layer, i, n, layout)
 
     def select(self, cache, ranked, capacity):
         # ranked [R, n]: the scorer's scores, protected tokens +inf
@@ -75,7 +74,8 @@ class CriticalKV(Delegating):
 def projected_value_norms(cache) -> mx.array:
     """mean over a KV head's query group of ||W_o^h v_j||_1 -> [R, n] float32 (cache.values [R, n, D])."""
     if cache.out_proj is None:
-        raise RuntimeError("criticalkv needs the layer's output projection (made by make_cache)")
+        raise RuntimeError("criticalkv needs the layer's output projection: make the cache with make_cache, "
+                           "load a saved one with kvcompress.load_prompt_cache(path, model)")
     values = cache.values.astype(mx.float32)
     R, n, D = values.shape
     B = cache.batch

@@ -21,8 +21,6 @@ Where we depart from kvpress, and why:
 - Scorers: those whose score over a compressed cache is what it is over a prompt. H2O and
   Keyformer accumulate over every query since the start (there is no prompt-time score to redo),
   and Expected Attention assumes keys at positions 0..T-1 for its future rotations: refused.
-- A saved cache does not keep the query summary: after a load, a compression that needs queries
-  waits until a decode step has given some.
 """
 
 from __future__ import annotations
@@ -101,8 +99,6 @@ class DecodingCache(EvictionCache):
     def _compress_generated(self):
         """Keep every token from before the answer and the target_size best generated ones."""
         scorer = self.scorer
-        if scorer.needs_queries and self.query_summary is None:
-            return  # just loaded: no query seen yet
         earlier = self.positions < self.answer_start  # [R, n]: the prompt as compressed, the question
         kept_before = int(earlier[0].sum().item())  # the same in every row (unpadded)
         if self.length - kept_before <= self.config.target_size:

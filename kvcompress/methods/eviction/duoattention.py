@@ -226,10 +226,13 @@ class DuoAttentionCache(CompressedCache):
         return self._rope
 
     @rope.setter
-    def rope(self, rope):  # kvcompress.load_prompt_cache gives it back after a load
+    def rope(self, rope):
         self._rope = rope
         if self.streaming is not None:
             self.streaming.rope = rope
+
+    def attach(self, layer) -> None:
+        self.rope = layer.rope
 
     # -- head groups ---------------------------------------------------------------------------
 
@@ -382,7 +385,7 @@ class DuoAttentionCache(CompressedCache):
             kv = list(self.prompt.keys_and_values()) if not self.prompt.empty() else [None, None]
         else:
             kv = list(self.retrieval.keys_and_values()) if self.retrieval is not None else [None, None]
-        part = list(self.streaming.state) if self.streaming is not None else [None] * 7
+        part = list(self.streaming.state) if self.streaming is not None else [None] * 8  # EvictionCache.state's
         return [*kv, *part, self.meta_state]
 
     @state.setter

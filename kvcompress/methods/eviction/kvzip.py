@@ -88,9 +88,11 @@ class KVzip(Eviction):
                 f"{self.name}.kvzip_plus: {layout.model_class} layer {layer.index} has no output projection that "
                 f"takes its attention heads' outputs as they are (kvcompress/adapter.py found none), so W_o v is "
                 f"unknown; use kvzip_plus=false")
-        cache = super().layer_cache(layer, i, n, layout)
-        cache.out_proj = layer.out_proj
-        return cache
+        return super().layer_cache(layer, i, n, layout)
+
+    @property
+    def reads_output_projection(self) -> bool:
+        return self.kvzip_plus
 
     def score_chunk(self, cache, queries, repeat_keys, start: int, end: int):
         """Raise the scores of context keys [start, end) to the most attention the chunk's queries

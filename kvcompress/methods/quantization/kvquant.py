@@ -436,6 +436,9 @@ class KVQuantCache(CompressedCache):
     def empty(self):
         return self.offset == 0
 
+    def attach(self, layer) -> None:
+        self.rope = layer.rope
+
     # mlx-lm's loader rebuilds a cache from `state` alone (`from_state`): the arrays (None where not
     # held yet), then one string with the settings. The RoPE module cannot be saved:
     # kvcompress.load_prompt_cache(path, model) gives it back.

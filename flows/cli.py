@@ -9,9 +9,11 @@ import os
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import kvcompress  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
-from kvcompress.errors import ConfigError
+import pyarrow as pa
+from kvcompress.errors import ConfigError, StorageError
 from kvcompress.methods import list_methods
 from kvcompress.results import check_root, default_root, quarantine, redact, scan, validate_sweep_id
 from kvcompress.sweep import SpeedPlan, SpeedSpec, grid_schema, load_spec
@@ -137,10 +139,17 @@ def speed_sweep(args, spec: SpeedSpec, plan: SpeedPlan) -> int:
 
 
 def default_html_path(results: str, sweep_id: str) -> str:
-    """Where the HTML report goes unless --html says: beside local results, else here."""
+    """Where the HTML report goes unless --html says: beside local results, else here; proven inside
+    that directory (a sweep id comes from a results tree, which may be someone else's)."""
+    validate_sweep_id(sweep_id, "--sweep")
     if "://" in results and not results.startswith("file://"):
-        return f"kvcompress-report-{sweep_id}.html"
-    return os.path.join(results.removeprefix("file://"), "html", f"{sweep_id}.html")
+        directory, name = ".", f"kvcompress-report-{sweep_id}.html"
+    else:
+        directory, name = os.path.join(results.removeprefix("file://"), "html"), f"{sweep_id}.html"
+    path = os.path.join(directory, name)
+    if not Path(path).resolve().is_relative_to(Path(directory).resolve()):
+        raise ConfigError(f"--html: refusing to write {path!r}: outside {directory!r}")
+    return path
 
 
 def print_screen(results: str, sweep_id: str | None = None, baseline: str | None = None,
@@ -151,6 +160,8 @@ def print_screen(results: str, sweep_id: str | None = None, baseline: str | None
     from kvcompress_reports import connect, report_names, sweep_ids
     from kvcompress_reports.render import screen, to_text
 
+    if sweep_id is not None:
+        validate_sweep_id(sweep_id, "--sweep")
     con = connect(results, baseline)
     sweeps = sweep_ids(con)
     sweep_id = sweep_id or sweeps[0]
@@ -176,6 +187,8 @@ def cmd_report(args) -> int:
     if not (args.all or args.report or args.format != "table"):
         print_screen(args.results, args.sweep, args.baseline, None if args.no_html else (args.html or ""))
         return 0
+    if args.sweep is not None:
+        validate_sweep_id(args.sweep, "--sweep")
     con = connect(args.results, args.baseline)
     sweeps = sweep_ids(con)
     if args.sweep is not None and args.sweep not in sweeps:
@@ -309,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (OSError, pa.ArrowException) as exc:  # storage: a wrong secret, a full disk, an unreachable store
+        line = redact((str(exc).strip() or type(exc).__name__).splitlines()[0])
+        where = "" if isinstance(exc, StorageError) or not hasattr(args, "results") else f"results {redact(args.results)!r}: "
+        print(f"error: {where}{line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ class ConfigError(ValueError):
     """A method, dataset, sweep or results parameter is invalid. The message names the field."""
 
 
+class StorageError(OSError):
+    """A file or store could not be written or read (a full disk, a wrong secret): the message names
+    the file; the command line prints it as one line."""
+
+
 def check(condition: bool, field: str, allowed: str, got: Any) -> None:
     """Raise a `ConfigError` naming the field, its allowed values and what was given."""
     if not condition:

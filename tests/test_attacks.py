@@ -1,0 +1,150 @@
+"""A results tree or a grid file from someone else (a shared bucket, a colleague's YAML) cannot make a
+command write outside its root, count a foreign file as a run, crash a report, exhaust memory, or
+leave a half-written report; a storage failure is one line (issue 49). Each test is one attack or
+fault, against the real parts: DuckDB over hive partitions, a real S3 API (moto), real processes."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kvcompress.errors import ConfigError
+from kvcompress.results import RUNS_SCHEMA, finished_run_ids, scan, write_run
+from kvcompress_reports import connect, run_report
+from tests.test_cli import kvcompress, one_line_error
+from tests.test_results import make_run, make_steps
+
+PART = ("sweep_id=sw", "method=full")
+
+
+def _results(root: Path, *run_ids: str, sweep: str = "sw") -> Path:
+    for rid in run_ids:
+        write_run(str(root), sweep, "full", make_run(rid, "full", 1.0, 1000, config_label="full"),
+                  make_steps(rid, [0.0] * 2, [True] * 2))
+    return root
+
+
+def _rename_sweep(root: Path, sweep: str, hostile: str) -> None:
+    """What an attacker with write access to a shared bucket does: a real run under a hostile directory name."""
+    for table in ("runs", "steps", "evidence"):
+        source = root / table / f"sweep_id={sweep}"
+        if source.exists():
+            source.rename(root / table / f"sweep_id={hostile}")
+
+
+@pytest.mark.parametrize("hostile", ["ABSOLUTE", "..%2F..%2Fclimbed", "..%2F..", "%2E%2E"])
+def test_hostile_partition_names_cannot_move_a_report_outside_the_root(tmp_path, hostile):
+    root = _results(tmp_path / "results", "good")
+    outside = tmp_path / "outside" / "pwned"
+    if hostile == "ABSOLUTE":  # DuckDB decodes %2F: the sweep id would read as this absolute path
+        hostile = quote(str(outside), safe="")
+    _results(root, "evil", sweep="newest")  # written last: the sweep `report` shows by default
+    _rename_sweep(root, "newest", hostile)
+    done = kvcompress("report", "--results", str(root))
+    assert done.returncode == 0, done.stderr
+    assert f"warning: skipping {root / 'runs' / f'sweep_id={hostile}' / 'method=full' / 'evil.parquet'}" in done.stderr
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.html")) == ["results/html/sw.html"]
+    assert not outside.parent.exists()
+    done = kvcompress("check", "--results", str(root))
+    assert done.returncode == 1
+    assert f"{root / 'runs' / f'sweep_id={hostile}' / 'method=full' / 'evil.parquet'}: directory 'sweep_id=" in done.stdout
+    assert "3 problem(s)" in done.stdout  # the run's runs, steps and evidence files
+
+
+def test_a_hostile_sweep_name_given_on_the_command_line_is_refused(tmp_path):
+    root = _results(tmp_path / "results", "good")
+    line = one_line_error(kvcompress("report", "--results", str(root), "--sweep", "../../x"))
+    assert line.startswith("error: --sweep: expected 1-128 characters")
+    assert not list(tmp_path.rglob("*.html"))
+
+
+def test_a_foreign_one_row_parquet_is_not_a_finished_run(tmp_path):
+    root = _results(tmp_path / "results", "good", "foreign", "copied")
+    runs = root.joinpath("runs", *PART)
+    pq.write_table(pa.table({"x": [1]}), runs / "foreign.parquet")  # one row, not a run at all
+    shutil.copy(runs / "good.parquet", runs / "copied.parquet")  # a whole run, but another run's
+    assert finished_run_ids(str(root), "sw") == {"good"}  # the next sweep reruns both
+    problems = {Path(p.path).name: p.reason for p in scan(str(root))}
+    assert problems == {"foreign.parquet": "runs file is not of the runs table: column x is not one of it",
+                        "copied.parquet": "runs file holds run 'good', not 'copied'"}
+
+
+def test_a_foreign_file_with_a_string_score_is_named_and_the_report_goes_on(tmp_path):
+    root = _results(tmp_path / "results", "a", "b")
+    row = make_run("evil", "full", 1.0, 1000, config_label="full")
+    schema = RUNS_SCHEMA.set(RUNS_SCHEMA.get_field_index("score"), pa.field("score", pa.string()))
+    pq.write_table(pa.Table.from_pylist([{**row, "score": "high"}], schema=schema),
+                   root.joinpath("runs", *PART, "evil.parquet"))
+    with pytest.warns(UserWarning, match=r"skipping .*evil\.parquet: column score is string, the runs table's double"):
+        con = connect(str(root))
+    columns, rows = run_report(con, "summary")
+    assert [r[columns.index("runs")] for r in rows] == [2]
+    done = kvcompress("report", "--results", str(root), "--no-html")
+    assert done.returncode == 0 and "evil.parquet: column score is string" in done.stderr, done.stderr
+
+
+def test_a_full_disk_leaves_the_previous_html_report_whole(tmp_path):
+    root = _results(tmp_path / "results", "a")
+    assert kvcompress("report", "--results", str(root)).returncode == 0
+    page = root / "html" / "sw.html"
+    before = page.read_bytes()
+    limit = len(before) // 3
+
+    def small_disk():  # writes past `limit` bytes fail with EFBIG, as a full disk fails with ENOSPC
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run([sys.executable, "-m", "kvcompress_flows.cli", "report", "--results", str(root)],
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0] == f"error: cannot write {page}: File too large", done.stderr
+    assert page.read_bytes() == before
+    assert sorted(p.name for p in page.parent.iterdir()) == ["sw.html"]  # no temp file left behind
+
+
+@pytest.fixture(scope="module")
+def s3_with_credential_checks(tmp_path_factory):
+    """A second moto server that checks every request's credentials (it knows none, as a store
+    knows none of a wrong secret)."""
+    from kvcompress_flows.local_server import free_port, stop_process_group
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto-auth") / "moto.log"
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2)
+            break
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+    yield f"127.0.0.1:{port}"
+    stop_process_group(server, grace_s=5)
+
+
+def test_report_with_a_wrong_secret_is_one_line(s3_with_credential_checks):
+    url = f"s3://kvcompress/x?endpoint_override={s3_with_credential_checks}&scheme=http"
+    env = {"AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG1", "AWS_SECRET_ACCESS_KEY": "wrong-secret-" + "x" * 20,
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    for command in ("report", "check"):
+        done = kvcompress(command, "--results", url, env=env)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 1 and len(lines) == 1, done.stderr
+        assert lines[0].startswith(f"error: results {url!r}: ") and "wrong-secret" not in done.stderr

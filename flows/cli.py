@@ -93,6 +93,8 @@ def progress_bar():
 
 def cmd_sweep(args) -> int:
     spec = load_spec(args.grid)  # parsed once: the flow gets this object, not the name
+    if args.max_runs is not None:
+        spec = spec.model_copy(update={"max_runs": args.max_runs})
     if args.sweep_id is not None:
         validate_sweep_id(args.sweep_id, "--sweep-id")
     plan = spec.plan()  # validates every cell (a SweepError lists them all); the flow reuses it
@@ -270,6 +272,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--results", default=None, help=results_help)
     s.add_argument("--sweep-id", default=None, help="name of this set of results (default: the grid's name)")
     s.add_argument("--dry-run", action="store_true", help="print the expanded grid and a cost estimate")
+    s.add_argument("--max-runs", type=int, default=None, metavar="N",
+                   help="refuse a grid of more than N runs before expanding it (default: the grid's max_runs, 100000)")
     s.add_argument("--distribute", action="store_true",
                    help="submit shards to the sweep-shard/shard deployment (needs a server and shard workers)")
     s.add_argument("--dask", default=None, metavar="local:N|tcp://HOST:PORT",

@@ -36,7 +36,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
 
 RUNS_SCHEMA = pa.schema(
     [
@@ -383,11 +383,6 @@ def _file_problem(fs: pafs.FileSystem, path: str, table: str) -> tuple[int | Non
     return metadata.num_rows, None
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
 def _run_problem(fs: pafs.FileSystem, base: str, relative: str) -> str | None:
     """Why the run whose runs file is {base}/runs/{relative} is not finished, or None when it is:
     its runs file holds one row, its steps file the rows that row promises, and its evidence file
@@ -414,7 +409,7 @@ def _run_problem(fs: pafs.FileSystem, base: str, relative: str) -> str | None:
     except (OSError, pa.ArrowException) as exc:
         return f"runs file does not read back: {exc}"
     if row["run_id"] != expected_id:  # a whole run, but another run's: resume must not skip this one
-        return f"runs file holds run {_short(row['run_id'])}, not {expected_id!r}"
+        return f"runs file holds run {shown(row['run_id'], 80)}, not {expected_id!r}"
     promised = row.get("step_rows")  # None for files written before the column existed
     if promised is not None and promised != steps_rows:
         return f"steps file holds {steps_rows} rows, the run wrote {promised}"

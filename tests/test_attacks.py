@@ -148,3 +148,87 @@ def test_report_with_a_wrong_secret_is_one_line(s3_with_credential_checks):
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 1 and len(lines) == 1, done.stderr
         assert lines[0].startswith(f"error: results {url!r}: ") and "wrong-secret" not in done.stderr
+
+
+def _grid(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "grid.yaml"
+    path.write_text(text)
+    return path
+
+
+GRID = """name: big
+datasets:
+  - name: passkey
+    context_tokens: [256]
+    num_samples: {samples}
+methods:
+  - name: full
+  - name: streaming
+    grid: {{budget: {budgets}}}
+"""
+
+
+def test_a_huge_grid_is_refused_before_it_is_expanded_even_in_a_dry_run(tmp_path):
+    from kvcompress.sweep import SweepError, load_spec
+
+    grid = _grid(tmp_path, GRID.format(samples=10_000_000, budgets="[0.5]"))
+    line = one_line_error(kvcompress("sweep", str(grid), "--dry-run", timeout=120))
+    assert line == ("error: max_runs: this grid expands to 20,000,000 runs, more than max_runs=100,000; nothing was "
+                    "expanded. Shrink the grid, or raise the limit (grid key `max_runs: N`, or --max-runs N) "
+                    "(nothing was run)")
+    budgets = [round(0.1 + i * 0.001, 3) for i in range(599)]  # 600 cells x 200 samples: 120,000 runs
+    grid = _grid(tmp_path, GRID.format(samples=200, budgets=budgets))
+    with pytest.raises(SweepError, match="expands to 120,000 runs, more than max_runs=100,000"):
+        load_spec(str(grid)).plan()
+    done = kvcompress("sweep", str(grid), "--dry-run", "--max-runs", "120000")
+    assert done.returncode == 0, done.stderr
+    assert '"runs": 120000' in done.stdout.splitlines()[-1]
+    grid.write_text(grid.read_text() + "max_runs: 120000\n")
+    assert load_spec(str(grid)).plan().runs == 120_000
+
+
+def test_ten_thousand_method_cells_validate_in_linear_time(tmp_path):
+    from kvcompress.sweep import SweepError, load_spec
+
+    def plan_seconds(cells: int) -> float:
+        budgets = [64 + i for i in range(cells)]  # distinct token budgets: every cell valid
+        spec = load_spec(str(_grid(tmp_path, GRID.format(samples=1, budgets=budgets))))
+        start = time.perf_counter()
+        assert len(spec.plan().methods) == cells + 1
+        return time.perf_counter() - start
+
+    small, large = plan_seconds(1000), plan_seconds(10_000)
+    assert large < 30 * small, (small, large)  # linear: ~10x; the pairwise duplicate check was ~100x
+    grid = _grid(tmp_path, GRID.format(samples=1, budgets=[64 + i for i in range(10_000)]) +
+                 "  - name: streaming\n    grid: {budget: [5000]}\n")
+    with pytest.raises(SweepError, match="methods: duplicate cell streaming budget=5000"):
+        load_spec(str(grid)).plan()
+
+
+BOMB_VALUES = """a: &a [x, x, x, x, x, x, x, x, x]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+
+
+@pytest.mark.parametrize("where", ["params: {recent: *i}", "grid: {budget: *i}"])
+def test_a_yaml_alias_bomb_is_refused_with_a_short_message(tmp_path, where):
+    bomb = "aliases:\n" + "".join(f"  {line}\n" for line in BOMB_VALUES.splitlines())
+    grid = _grid(tmp_path, f"{bomb}name: bomb\ndatasets: [{{name: passkey}}]\nmethods:\n  - name: snapkv\n    {where}\n")
+    assert len(grid.read_bytes()) < 700
+    line = one_line_error(kvcompress("sweep", str(grid), "--dry-run", timeout=120))
+    assert line.startswith("error: grid: expected at most 1,000,000 values written out, got more") and len(line) < 300
+
+
+def test_a_long_value_is_cut_in_an_error_message(tmp_path):
+    grid = _grid(tmp_path, "name: long\ndatasets: [{name: passkey}]\nmethods:\n  - name: snapkv\n"
+                           f"    params: {{recent: {list(range(5000))}}}\n")
+    line = one_line_error(kvcompress("sweep", str(grid), "--dry-run"))
+    assert "snapkv.recent: expected an int >= 1 (window tokens), got [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...]" in line
+    assert len(line) < 400  # the whole list, twice, before

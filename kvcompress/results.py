@@ -194,9 +194,20 @@ def is_object_store(root: str) -> bool:
     return _filesystem(root)[0].type_name in OBJECT_STORES
 
 
+def refuse_credentials(root: str) -> None:
+    """A URL with credentials in it (`s3://KEY:SECRET@bucket`, `?secret_key=...`) is refused: a sweep's
+    results URL is a flow run parameter, which Prefect stores and shows on its dashboard."""
+    if redact(root) != root:
+        raise ConfigError(f"results: credentials in the URL {redact(root)!r} are refused (Prefect would store them "
+                          "with the flow run): put them in the store's environment variables (AWS_ACCESS_KEY_ID, "
+                          "AWS_SECRET_ACCESS_KEY, ...) instead")
+
+
 def check_root(root: str) -> None:
-    """Fail fast, before any model load, when `root` cannot hold results: an unknown scheme, an
-    unreachable store, a path that is not writable. Writes and removes one small probe file."""
+    """Fail fast, before any model load, when `root` cannot hold results: credentials in a URL, an
+    unknown scheme, an unreachable store, a path that is not writable. Writes and removes one small
+    probe file."""
+    refuse_credentials(root)
     fs, base = _filesystem(root)
     probe = f"{base}/.write-probe-{uuid.uuid4().hex}"
     try:
@@ -392,12 +403,10 @@ def _run_problem(fs: pafs.FileSystem, base: str, relative: str) -> str | None:
         return where
     runs_path = f"{base}/runs/{relative}"
     rows, foreign = _file_problem(fs, runs_path, "runs")
-    if rows is None:
-        return "runs file is not readable Parquet"
+    if rows != 1:
+        return "runs file is not readable Parquet with one row"
     if foreign is not None:
         return f"runs file is not of the runs table: {foreign}"
-    if rows != 1:
-        return f"runs file holds {rows} rows, not one"
     steps_rows, foreign = _file_problem(fs, f"{base}/steps/{relative}", "steps")
     if steps_rows is None:
         return "its steps file is missing or not readable Parquet"

@@ -232,3 +232,71 @@ def test_a_long_value_is_cut_in_an_error_message(tmp_path):
     line = one_line_error(kvcompress("sweep", str(grid), "--dry-run"))
     assert "snapkv.recent: expected an int >= 1 (window tokens), got [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...]" in line
     assert len(line) < 400  # the whole list, twice, before
+
+
+def test_the_bind_check_treats_only_loopback_addresses_as_loopback():
+    from kvcompress_flows.local_server import require_auth
+
+    for host in ("127.0.0.1", "127.5.5.5", "localhost", "::1"):
+        require_auth(host, environ={})
+    for host in ("127.0.0.1.invalid", "127.evil.invalid", "0.0.0.0", "::", "192.0.2.1"):  # .invalid never resolves
+        with pytest.raises(ConfigError, match=f"PREFECT_SERVER_HOST={host} serves the API beyond this machine"):
+            require_auth(host, environ={})
+    require_auth("0.0.0.0", environ={"PREFECT_SERVER_API_AUTH_STRING": "kvcompress:x"})
+
+
+@pytest.mark.parametrize("url", ["s3://AKIAHIDDEN:hidden-secret@bucket/kv",
+                                 "s3://bucket/kv?region=us-east-1&secret_key=hidden-secret&access_key=AKIAHIDDEN"])
+def test_credentials_in_a_results_url_are_refused_before_prefect_sees_them(tmp_path, url):
+    done = kvcompress("sweep", "smoke", "--results", url, env={"PREFECT_API_URL": "", "PREFECT_HOME": str(tmp_path)})
+    line = one_line_error(done)
+    assert line.startswith("error: results: credentials in the URL 's3://") and "are refused" in line
+    assert "hidden-secret" not in done.stdout + done.stderr and "AKIAHIDDEN" not in done.stdout + done.stderr
+    assert not (tmp_path / "prefect.db").exists()  # no Prefect server was started, none was told
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "many-machines.md").read_text()
+    assert "access_key=" not in doc and "secret_key=" not in doc  # options pyarrow's S3 URLs reject
+
+
+@pytest.fixture
+def custom_code_model(tmp_path) -> Path:
+    """A model directory that needs its own code (transformers' trust_remote_code) to load."""
+    model = tmp_path / "custom-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "custom", "max_position_embeddings": 2048, '
+                                       '"auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomModel"}}')
+    (model / "modeling_custom.py").write_text(f"open({str(tmp_path / 'code-ran')!r}, 'w').write('yes')\n")
+    return model
+
+
+def test_a_model_that_needs_custom_code_is_refused_before_the_flow(tmp_path, custom_code_model):
+    grid = _grid(tmp_path, f"name: custom\nmodel: {custom_code_model}\ndatasets: [{{name: passkey}}]\n"
+                           "methods: [{name: full}]\n")
+    line = one_line_error(kvcompress("sweep", str(grid), "--dry-run"))
+    assert line.startswith(f"error: model: name_or_path: {custom_code_model} needs custom code (config.json has "
+                           "auto_map: trust_remote_code), refused")
+    assert not (tmp_path / "code-ran").exists()
+
+
+def test_prefect_does_not_retry_a_model_that_needs_custom_code(prefect_server, tmp_path, custom_code_model):
+    from types import MappingProxyType
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from kvcompress.methods import method_config
+    from kvcompress.sweep import Shard
+    from kvcompress_tasks.sweep import run_shard
+
+    shard = Shard("passkey", MappingProxyType({"context_tokens": 256, "num_samples": 1, "seed": 0}), 0,
+                  (method_config("full"),))
+
+    @flow(name="custom-code-shard")
+    def one_shard():
+        state = run_shard(shard, str(custom_code_model), None, "sw", str(tmp_path / "results"), return_state=True)
+        return state.state_details.task_run_id, state.is_failed(), state.message
+
+    task_run_id, failed, message = one_shard()
+    assert failed and "needs custom code" in message
+    with get_client(sync_client=True) as client:
+        assert client.read_task_run(task_run_id).run_count == 1  # no retry
+    assert not (tmp_path / "code-ran").exists() and not (tmp_path / "results").exists()

@@ -300,3 +300,71 @@ def test_prefect_does_not_retry_a_model_that_needs_custom_code(prefect_server, t
     with get_client(sync_client=True) as client:
         assert client.read_task_run(task_run_id).run_count == 1  # no retry
     assert not (tmp_path / "code-ran").exists() and not (tmp_path / "results").exists()
+
+
+SHARD_GRID = {"name": "twice", "decode_steps": 3, "datasets": [{"name": "passkey", "context_tokens": [256]}],
+              "methods": [{"name": "full"}, {"name": "streaming", "grid": {"budget": [64, 128]}}]}
+
+
+def _run_shard_in_a_process(root: str) -> None:
+    from kvcompress.execute import execute_shard
+    from kvcompress.sweep import load_spec
+
+    spec = load_spec(SHARD_GRID)
+    (shard,) = spec.shards()
+    print(execute_shard(shard, spec.model, spec.decode_steps, "twice", root), flush=True)
+
+
+def test_a_shard_launched_twice_at_once_is_computed_once(tmp_path):
+    import multiprocessing as mp
+
+    from kvcompress.execute import execute_shard, shard_key
+    from kvcompress.leases import ShardLease
+    from kvcompress.sweep import load_spec
+
+    root = str(tmp_path / "results")
+    spec = load_spec(SHARD_GRID)
+    (shard,) = spec.shards()
+    first = mp.get_context("spawn").Process(target=_run_shard_in_a_process, args=(root,))
+    first.start()
+    lease = ShardLease(root, "twice", shard_key(shard))
+    deadline = time.monotonic() + 120
+    while lease.owner() is None:  # the first launch holds the shard (it takes the lease before the model)
+        assert first.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert lease.owner().pid == first.pid
+    second = execute_shard(shard, spec.model, spec.decode_steps, "twice", root)  # at once: leaves it to the first
+    assert second["ran"] == 0 and second["leased_by"].startswith(f"pid {first.pid} on ")
+    waited = execute_shard(shard, spec.model, spec.decode_steps, "twice", root, lease_wait_s=300)
+    first.join(60)
+    assert first.exitcode == 0
+    assert waited == {"skipped": 3, "ran": 0, "failed": 0}  # it waited, then found every run finished
+    assert len(finished_run_ids(root, "twice")) == 3 and lease.owner() is None
+
+
+def test_a_lease_is_stale_when_its_owner_died_or_stopped_renewing(tmp_path):
+    import json
+
+    from kvcompress.leases import ShardLease
+
+    root = str(tmp_path / "results")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    path = tmp_path / "results" / "_leases" / "sweep_id=sw" / "k.lease"
+    path.parent.mkdir(parents=True)
+
+    def held_by(host: str, pid: int, age_s: float) -> bool:
+        path.write_text(json.dumps({"host": host, "pid": pid, "token": "theirs", "at": time.time() - age_s}))
+        lease = ShardLease(root, "sw", "k", stale_s=100)
+        taken = lease.acquire()
+        lease.release()
+        return not taken
+
+    import socket
+
+    here = socket.gethostname()
+    assert held_by(here, holder.pid, 0) and held_by("other-host", 1, 99)  # alive, or renewed within stale_s
+    holder.stdin.close()
+    holder.wait()
+    assert not held_by(here, holder.pid, 0)  # its process is gone
+    assert not held_by("other-host", 1, 101)  # not renewed for stale_s
+    assert not path.exists()  # the taker gave it back

@@ -504,6 +504,8 @@ def quarantine(root: str, problems: list[Problem]) -> list[str]:
         if fs.get_file_info(f"{base}/{relative}").type == pafs.FileType.NotFound:
             continue
         target = f"{base}/{QUARANTINE}/{stamp}/{relative}"
+        if not _inside(f"{base}/{QUARANTINE}/{stamp}", target):  # a listed name is the store's, maybe hostile
+            continue
         fs.create_dir(posixpath.dirname(target), recursive=True)
         fs.move(f"{base}/{relative}", target)
         moved.append(target)

@@ -381,15 +381,19 @@ def test_a_sweep_whose_prefect_server_dies_fails_fast_in_one_line(tmp_path):
     env = {**os.environ, "PREFECT_API_URL": "", "PREFECT_HOME": str(tmp_path / "prefect-home")}
     proc = subprocess.Popen([sys.executable, "-m", "kvcompress_flows.cli", "sweep", "smoke", "--results", str(results)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while not list(results.glob("runs/**/*.parquet")):
-        assert proc.poll() is None and time.monotonic() < deadline, "sweep ended before any run finished"
-        time.sleep(0.2)
-    (server,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "server" in p.cmdline() and "start" in p.cmdline()]
-    os.killpg(os.getpgid(server.pid), signal.SIGKILL)
-    killed = time.monotonic()
-    _, stderr = proc.communicate(timeout=GRACE_S + 90)  # before: ~220 s, then a 200-line traceback
+    try:
+        deadline = time.monotonic() + 600
+        while not list(results.glob("runs/**/*.parquet")):
+            assert proc.poll() is None and time.monotonic() < deadline, "sweep ended before any run finished"
+            time.sleep(0.2)
+        (server,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if "server" in p.cmdline() and "start" in p.cmdline()]
+        os.killpg(os.getpgid(server.pid), signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=GRACE_S + 90)  # before: ~220 s, then a 200-line traceback
+    finally:
+        proc.kill()
+        proc.wait()
     assert time.monotonic() - killed < GRACE_S + 60
     assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("error: the Prefect server at http://127.0.0.1:")

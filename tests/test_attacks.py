@@ -327,16 +327,19 @@ def test_a_shard_launched_twice_at_once_is_computed_once(tmp_path):
     (shard,) = spec.shards()
     first = mp.get_context("spawn").Process(target=_run_shard_in_a_process, args=(root,))
     first.start()
-    lease = ShardLease(root, "twice", shard_key(shard))
-    deadline = time.monotonic() + 120
-    while lease.owner() is None:  # the first launch holds the shard (it takes the lease before the model)
-        assert first.is_alive() and time.monotonic() < deadline
-        time.sleep(0.05)
-    assert lease.owner().pid == first.pid
-    second = execute_shard(shard, spec.model, spec.decode_steps, "twice", root)  # at once: leaves it to the first
-    assert second["ran"] == 0 and second["leased_by"].startswith(f"pid {first.pid} on ")
-    waited = execute_shard(shard, spec.model, spec.decode_steps, "twice", root, lease_wait_s=300)
-    first.join(60)
+    try:
+        lease = ShardLease(root, "twice", shard_key(shard))
+        deadline = time.monotonic() + 120
+        while lease.owner() is None:  # the first launch holds the shard (it takes the lease before the model)
+            assert first.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert lease.owner().pid == first.pid
+        second = execute_shard(shard, spec.model, spec.decode_steps, "twice", root)  # at once: left to the first
+        assert second["ran"] == 0 and second["leased_by"].startswith(f"pid {first.pid} on ")
+        waited = execute_shard(shard, spec.model, spec.decode_steps, "twice", root, lease_wait_s=300)
+        first.join(60)
+    finally:
+        first.kill()
     assert first.exitcode == 0
     assert waited == {"skipped": 3, "ran": 0, "failed": 0}  # it waited, then found every run finished
     assert len(finished_run_ids(root, "twice")) == 3 and lease.owner() is None

@@ -481,8 +481,8 @@ def scan(root: str) -> list[Problem]:
                 reason = _run_problem(fs, base, relative.split("/", 1)[1])
             elif top in TABLES:  # steps without a runs row are a run in progress: left alone when whole
                 reason = _partition_problem(relative) or _file_problem(fs, info.path, top)[1]
-            else:
-                reason = "not in a table's directory"
+            else:  # not a table of runs (regressions/...): its own reader checks it
+                reason = None if _rows(fs, info.path) is not None else "not readable Parquet"
             if reason is not None:
                 problems.append(Problem(info.path, reason))
     return problems

@@ -9,13 +9,16 @@ import os
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import kvcompress  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
-from kvcompress.errors import ConfigError
+import pyarrow as pa
+from kvcompress.errors import ConfigError, StorageError
 from kvcompress.methods import list_methods
 from kvcompress.results import check_root, default_root, quarantine, redact, scan, validate_sweep_id
 from kvcompress.sweep import SpeedPlan, SpeedSpec, grid_schema, load_spec
 from kvcompress_flows.dask_shards import validate_dask
+from kvcompress_flows.server_watch import exit_when_server_dies
 
 SCREEN_WIDTH = 120  # the one-screen report's width (kvcompress_reports.render.SCREEN_WIDTH)
 
@@ -91,6 +94,8 @@ def progress_bar():
 
 def cmd_sweep(args) -> int:
     spec = load_spec(args.grid)  # parsed once: the flow gets this object, not the name
+    if args.max_runs is not None:
+        spec = spec.model_copy(update={"max_runs": args.max_runs})
     if args.sweep_id is not None:
         validate_sweep_id(args.sweep_id, "--sweep-id")
     plan = spec.plan()  # validates every cell (a SweepError lists them all); the flow reuses it
@@ -108,7 +113,7 @@ def cmd_sweep(args) -> int:
     if args.distribute and args.dask:
         raise ConfigError("--dask runs the shards on Dask, --distribute on Prefect workers: choose one")
     check_root(args.results)  # before the model loads: a bad root fails here, once
-    with prefect_api(), progress_bar():
+    with prefect_api() as api, exit_when_server_dies(api), progress_bar():
         from kvcompress_flows.sweep import sweep
 
         sweep(grid=spec, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
@@ -128,7 +133,7 @@ def speed_sweep(args, spec: SpeedSpec, plan: SpeedPlan) -> int:
         print(json.dumps(plan.estimate()))
         return 0
     check_root(args.results)
-    with prefect_api():
+    with prefect_api() as api, exit_when_server_dies(api):
         from kvcompress_flows.speed import speed
 
         speed(grid=spec, results=args.results, sweep_id=args.sweep_id)
@@ -137,10 +142,17 @@ def speed_sweep(args, spec: SpeedSpec, plan: SpeedPlan) -> int:
 
 
 def default_html_path(results: str, sweep_id: str) -> str:
-    """Where the HTML report goes unless --html says: beside local results, else here."""
+    """Where the HTML report goes unless --html says: beside local results, else here; proven inside
+    that directory (a sweep id comes from a results tree, which may be someone else's)."""
+    validate_sweep_id(sweep_id, "--sweep")
     if "://" in results and not results.startswith("file://"):
-        return f"kvcompress-report-{sweep_id}.html"
-    return os.path.join(results.removeprefix("file://"), "html", f"{sweep_id}.html")
+        directory, name = ".", f"kvcompress-report-{sweep_id}.html"
+    else:
+        directory, name = os.path.join(results.removeprefix("file://"), "html"), f"{sweep_id}.html"
+    path = os.path.join(directory, name)
+    if not Path(path).resolve().is_relative_to(Path(directory).resolve()):
+        raise ConfigError(f"--html: refusing to write {path!r}: outside {directory!r}")
+    return path
 
 
 def print_screen(results: str, sweep_id: str | None = None, baseline: str | None = None,
@@ -151,6 +163,8 @@ def print_screen(results: str, sweep_id: str | None = None, baseline: str | None
     from kvcompress_reports import connect, report_names, sweep_ids
     from kvcompress_reports.render import screen, to_text
 
+    if sweep_id is not None:
+        validate_sweep_id(sweep_id, "--sweep")
     con = connect(results, baseline)
     sweeps = sweep_ids(con)
     sweep_id = sweep_id or sweeps[0]
@@ -176,6 +190,8 @@ def cmd_report(args) -> int:
     if not (args.all or args.report or args.format != "table"):
         print_screen(args.results, args.sweep, args.baseline, None if args.no_html else (args.html or ""))
         return 0
+    if args.sweep is not None:
+        validate_sweep_id(args.sweep, "--sweep")
     con = connect(args.results, args.baseline)
     sweeps = sweep_ids(con)
     if args.sweep is not None and args.sweep not in sweeps:
@@ -257,6 +273,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--results", default=None, help=results_help)
     s.add_argument("--sweep-id", default=None, help="name of this set of results (default: the grid's name)")
     s.add_argument("--dry-run", action="store_true", help="print the expanded grid and a cost estimate")
+    s.add_argument("--max-runs", type=int, default=None, metavar="N",
+                   help="refuse a grid of more than N runs before expanding it (default: the grid's max_runs, 100000)")
     s.add_argument("--distribute", action="store_true",
                    help="submit shards to the sweep-shard/shard deployment (needs a server and shard workers)")
     s.add_argument("--dask", default=None, metavar="local:N|tcp://HOST:PORT",
@@ -309,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (OSError, pa.ArrowException) as exc:  # storage: a wrong secret, a full disk, an unreachable store
+        line = redact((str(exc).strip() or type(exc).__name__).splitlines()[0])
+        where = "" if isinstance(exc, StorageError) or not hasattr(args, "results") else f"results {redact(args.results)!r}: "
+        print(f"error: {where}{line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ bound beyond loopback needs Prefect's basic auth (`PREFECT_SERVER_API_AUTH_STRIN
 from __future__ import annotations
 
 import base64
+import ipaddress
 import os
 import signal
 import socket
@@ -28,13 +29,22 @@ import urllib.request
 from pathlib import Path
 
 STOP_GRACE_S = 20.0
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` resolves to is a loopback address (a name is resolved: a string
+    that starts with "127." may be a name, "127.0.0.1.example.com", of any address)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False  # unresolvable here: not provably this machine
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
 
 
 def require_auth(host: str, environ=os.environ) -> None:
     """Refuse to serve the API beyond this machine without an auth string: Prefect's API has no other
     access control, so anyone who reaches the port could run flows (code) on the workers."""
-    if host in LOOPBACK_HOSTS or host.startswith("127.") or environ.get("PREFECT_SERVER_API_AUTH_STRING"):
+    if environ.get("PREFECT_SERVER_API_AUTH_STRING") or is_loopback(host):
         return
     from kvcompress.errors import ConfigError
 

@@ -109,8 +109,15 @@ def sweep(
     elif dask is not None:
         run_on_dask(dask, shards, shard_args, progress.advance, shard_timeout_s)
     else:
+        held = []  # shards another launch of this sweep is running: theirs first, then wait for them
         for shard in shards:
             counts = run_shard(shard, **shard_args)
+            if "leased_by" in counts:
+                held.append(shard)
+                continue
+            progress.advance(f"{shard.dataset} #{shard.sample_index}: {counts}")
+        for shard in held:
+            counts = run_shard(shard, **shard_args, lease_wait_s=shard_timeout_s)
             progress.advance(f"{shard.dataset} #{shard.sample_index}: {counts}")
 
     finished = len(finished_run_ids(results, sweep_id))

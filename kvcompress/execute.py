@@ -4,12 +4,14 @@ Prefect tasks and by tests alike."""
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import Any, Callable, Mapping
 
 from . import datasets, speed
 from .adapter import native_cache
 from .errors import ConfigError
+from .leases import STALE_S, ShardLease
 from .model import context_window, load_model, load_tokenizer, model_fingerprint
 from .results import finished_run_ids, finished_speed_ids, run_id, write_run, write_speed
 from .runner import RunContext, run_sample
@@ -17,6 +19,7 @@ from .sweep import Shard, SpeedGroup, SpeedPlan, SweepError
 
 _SAMPLES: dict[tuple, list[dict]] = {}  # (dataset, frozen params, model) -> samples, a few per process
 _SAMPLES_KEPT = 8
+LEASE_POLL_S = 2.0  # how often a launch waiting for another's shard looks again
 
 
 def _frozen(value: Any) -> Any:
@@ -40,9 +43,31 @@ def load_samples(dataset: str, params: Mapping[str, Any], model_name: str) -> li
     return _SAMPLES[key]
 
 
+def shard_key(shard: Shard) -> str:
+    """The shard's identity within a sweep: its dataset, parameters and first row (what its lease locks)."""
+    return run_id({"dataset": shard.dataset, "params": dict(shard.dataset_params), "sample": shard.sample_index})
+
+
 def execute_shard(shard: Shard, model_name: str, decode_steps: int | None, sweep_id: str, results: str,
-                  run_timeout_s: float | None = None) -> dict:
-    """Run a shard's unfinished runs; returns counts {"skipped", "ran", "failed"}."""
+                  run_timeout_s: float | None = None, lease_wait_s: float = 0.0) -> dict:
+    """Run a shard's unfinished runs under its lease (kvcompress/leases.py); returns counts {"skipped",
+    "ran", "failed"}, with "leased_by" (and nothing run) when another process held the lease for
+    `lease_wait_s` seconds: another launch of the same sweep is running this shard."""
+    lease = ShardLease(results, sweep_id, shard_key(shard), stale_s=max(STALE_S, 2 * (run_timeout_s or 0)))
+    deadline = time.monotonic() + lease_wait_s
+    while not lease.acquire():
+        if time.monotonic() >= deadline:
+            owner = lease.owner()
+            return {"skipped": 0, "ran": 0, "failed": 0, "leased_by": owner.describe() if owner else "another process"}
+        time.sleep(LEASE_POLL_S)
+    try:
+        return _execute_leased(shard, model_name, decode_steps, sweep_id, results, run_timeout_s, lease)
+    finally:
+        lease.release()
+
+
+def _execute_leased(shard: Shard, model_name: str, decode_steps: int | None, sweep_id: str, results: str,
+                    run_timeout_s: float | None, lease: ShardLease) -> dict:
     model, tokenizer = load_model(model_name)
     first = shard.sample_index
     samples = load_samples(shard.dataset, shard.dataset_params, model_name)[first:first + shard.rows]
@@ -56,6 +81,7 @@ def execute_shard(shard: Shard, model_name: str, decode_steps: int | None, sweep
         if beyond_window:  # the grid opted in (allow_beyond_window): every report shows it
             record.run["config_label"] += f" [beyond {window}-token window]"
         write_run(results, sweep_id, record.method, record.run, record.steps, record.evidence)
+        lease.renew()
 
     records = run_sample(model, tokenizer, samples, list(shard.methods), context, on_record=write,
                          protocols=shard.protocols, pending=lambda config: run_id(config) not in finished)

@@ -290,9 +290,11 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _resolve(name: str) -> str:
-    """A local directory as a path string, a hub id unchanged; a path that does not exist fails here."""
+    """A local directory as a path string, a hub id unchanged; a path that does not exist, or a model
+    that needs its own code, fails here."""
     path = Path(name).expanduser()
     if path.exists():
+        refuse_custom_code(path)
         return str(path)
     if _looks_like_path(name):
         raise ConfigError(
@@ -300,6 +302,23 @@ def _resolve(name: str) -> str:
             f"directory or a Hugging Face hub id, got {name!r} (no such file or directory)"
         )
     return name
+
+
+CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")  # where `auto_map` names code
+
+
+def refuse_custom_code(directory: Path) -> None:
+    """A model directory whose config names its own Python classes (`auto_map`: transformers'
+    trust_remote_code) is refused before anything loads: running a model must not run code that came
+    with it. A ConfigError, so Prefect does not retry it (mlx-lm's own refusal is a ValueError)."""
+    for name in CODE_FILES:
+        try:
+            config = json.loads((directory / name).read_text())
+        except (OSError, ValueError):
+            continue  # absent or not JSON: the loader's own error
+        if isinstance(config, dict) and "auto_map" in config:
+            raise ConfigError(f"name_or_path: {directory} needs custom code ({name} has auto_map: "
+                              "trust_remote_code), refused; use a model whose architecture mlx-lm ships")
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
 
 RUNS_SCHEMA = pa.schema(
     [
@@ -194,9 +194,20 @@ def is_object_store(root: str) -> bool:
     return _filesystem(root)[0].type_name in OBJECT_STORES
 
 
+def refuse_credentials(root: str) -> None:
+    """A URL with credentials in it (`s3://KEY:SECRET@bucket`, `?secret_key=...`) is refused: a sweep's
+    results URL is a flow run parameter, which Prefect stores and shows on its dashboard."""
+    if redact(root) != root:
+        raise ConfigError(f"results: credentials in the URL {redact(root)!r} are refused (Prefect would store them "
+                          "with the flow run): put them in the store's environment variables (AWS_ACCESS_KEY_ID, "
+                          "AWS_SECRET_ACCESS_KEY, ...) instead")
+
+
 def check_root(root: str) -> None:
-    """Fail fast, before any model load, when `root` cannot hold results: an unknown scheme, an
-    unreachable store, a path that is not writable. Writes and removes one small probe file."""
+    """Fail fast, before any model load, when `root` cannot hold results: credentials in a URL, an
+    unknown scheme, an unreachable store, a path that is not writable. Writes and removes one small
+    probe file."""
+    refuse_credentials(root)
     fs, base = _filesystem(root)
     probe = f"{base}/.write-probe-{uuid.uuid4().hex}"
     try:
@@ -288,9 +299,15 @@ def write_speed(root: str, sweep_id: str, method: str, rows: list[dict[str, Any]
 def finished_speed_ids(root: str, sweep_id: str) -> set[str]:
     """Run ids of a speed sweep's measurements whose file reads back (whatever their status)."""
     fs, base = _filesystem(root)
-    return {info.base_name[: -len(".parquet")] for info in _parquet_files(fs, f"{base}/speed/sweep_id={sweep_id}")
-            if not info.base_name.startswith(".") and info.base_name.endswith(".parquet")
-            and _rows(fs, info.path)}
+    finished = set()
+    for info in _parquet_files(fs, f"{base}/speed/sweep_id={sweep_id}"):
+        if info.base_name.startswith(".") or not info.base_name.endswith(".parquet") or \
+                _partition_problem(posixpath.relpath(info.path, base)) is not None:
+            continue
+        rows, foreign = _file_problem(fs, info.path, "speed")  # a foreign file is no finished measurement
+        if rows and foreign is None:
+            finished.add(info.base_name[: -len(".parquet")])
+    return finished
 
 
 def failed_speed_measurements(root: str, sweep_id: str) -> dict[str, str]:
@@ -333,31 +350,83 @@ def _rows(fs: pafs.FileSystem, path: str) -> int | None:
         return None
 
 
-def _promised_step_rows(fs: pafs.FileSystem, path: str) -> int | None:
-    """The runs row's `step_rows` (None for files written before the column existed)."""
-    table = pq.read_table(path, filesystem=fs)
-    return table.column("step_rows")[0].as_py() if "step_rows" in table.column_names else None
+def _partition_problem(relative: str) -> str | None:
+    """Why `relative` ({table}/sweep_id=S/method=M/{run_id}.parquet, below the root) is not where a
+    writer puts a file, or None: S and M must pass the sweep id rule where they are read, as where
+    they are written (DuckDB decodes `%2F` in a directory name, so `sweep_id=%2Fetc` reads as
+    "/etc" and would become a path)."""
+    parts = relative.split("/")
+    if len(parts) != 4:
+        return f"not at TABLE/sweep_id=ID/method=NAME/RUN.parquet ({len(parts) - 1} directories deep)"
+    for part, key in zip(parts[1:3], ("sweep_id", "method")):
+        name, _, value = part.partition("=")
+        if name != key or not valid_sweep_id(value):
+            return f"directory {part!r}: expected {key}=ID with ID of 1-{SWEEP_ID_MAX_LEN} characters of [A-Za-z0-9._-]"
+    return None
+
+
+def valid_sweep_id(value: Any) -> bool:
+    """Whether `value` passes `validate_sweep_id` (for names read back, where a bad one is skipped)."""
+    try:
+        validate_sweep_id(value)
+    except ConfigError:
+        return False
+    return True
+
+
+def _file_problem(fs: pafs.FileSystem, path: str, table: str) -> tuple[int | None, str | None]:
+    """(rows, why the file is not one of `table`'s, or None): readable Parquet whose every column is
+    one of the table's, of its type (a file written before a column existed lacks it: read as NULL)."""
+    try:
+        metadata = pq.read_metadata(path, filesystem=fs)
+        schema = metadata.schema.to_arrow_schema()
+    except (OSError, pa.ArrowException):
+        return None, "not readable Parquet"
+    expected = TABLES[table]
+    for field in schema:
+        if field.name not in expected.names:
+            return metadata.num_rows, f"column {field.name[:80]} is not one of it"
+        if not field.type.equals(expected.field(field.name).type):
+            return metadata.num_rows, (f"column {field.name} is {field.type}, the {table} table's "
+                                       f"{expected.field(field.name).type}")
+    if "run_id" not in schema.names:
+        return metadata.num_rows, "it has no run_id column"
+    return metadata.num_rows, None
 
 
 def _run_problem(fs: pafs.FileSystem, base: str, relative: str) -> str | None:
     """Why the run whose runs file is {base}/runs/{relative} is not finished, or None when it is:
     its runs file holds one row, its steps file the rows that row promises, and its evidence file
     (absent for runs written before the table existed) reads as Parquet."""
+    where = _partition_problem(f"runs/{relative}")
+    if where is not None:
+        return where
     runs_path = f"{base}/runs/{relative}"
-    if _rows(fs, runs_path) != 1:
+    rows, foreign = _file_problem(fs, runs_path, "runs")
+    if rows != 1:
         return "runs file is not readable Parquet with one row"
-    steps_rows = _rows(fs, f"{base}/steps/{relative}")
+    if foreign is not None:
+        return f"runs file is not of the runs table: {foreign}"
+    steps_rows, foreign = _file_problem(fs, f"{base}/steps/{relative}", "steps")
     if steps_rows is None:
         return "its steps file is missing or not readable Parquet"
+    if foreign is not None:
+        return f"its steps file is not of the steps table: {foreign}"
+    expected_id = posixpath.basename(relative)[: -len(".parquet")]
     try:
-        promised = _promised_step_rows(fs, runs_path)
+        row = pq.read_table(runs_path, filesystem=fs).to_pylist()[0]
     except (OSError, pa.ArrowException) as exc:
         return f"runs file does not read back: {exc}"
+    if row["run_id"] != expected_id:  # a whole run, but another run's: resume must not skip this one
+        return f"runs file holds run {shown(row['run_id'], 80)}, not {expected_id!r}"
+    promised = row.get("step_rows")  # None for files written before the column existed
     if promised is not None and promised != steps_rows:
         return f"steps file holds {steps_rows} rows, the run wrote {promised}"
     evidence_path = f"{base}/evidence/{relative}"
-    if fs.get_file_info(evidence_path).type != pafs.FileType.NotFound and _rows(fs, evidence_path) is None:
-        return "its evidence file is not readable Parquet"
+    if fs.get_file_info(evidence_path).type != pafs.FileType.NotFound:
+        evidence_rows, foreign = _file_problem(fs, evidence_path, "evidence")
+        if evidence_rows is None or foreign is not None:
+            return f"its evidence file is {foreign or 'not readable Parquet'}"
     return None
 
 
@@ -410,10 +479,12 @@ def scan(root: str) -> list[Problem]:
         elif name.endswith(".parquet") and not name.startswith("."):
             if top == "runs":
                 reason = _run_problem(fs, base, relative.split("/", 1)[1])
-                if reason is not None:
-                    problems.append(Problem(info.path, reason))
-            elif _rows(fs, info.path) is None:  # steps without a runs row are a run in progress: left alone
-                problems.append(Problem(info.path, "not readable Parquet"))
+            elif top in TABLES:  # steps without a runs row are a run in progress: left alone when whole
+                reason = _partition_problem(relative) or _file_problem(fs, info.path, top)[1]
+            else:  # not a table of runs (regressions/...): its own reader checks it
+                reason = None if _rows(fs, info.path) is not None else "not readable Parquet"
+            if reason is not None:
+                problems.append(Problem(info.path, reason))
     return problems
 
 
@@ -433,6 +504,8 @@ def quarantine(root: str, problems: list[Problem]) -> list[str]:
         if fs.get_file_info(f"{base}/{relative}").type == pafs.FileType.NotFound:
             continue
         target = f"{base}/{QUARANTINE}/{stamp}/{relative}"
+        if not _inside(f"{base}/{QUARANTINE}/{stamp}", target):  # a listed name is the store's, maybe hostile
+            continue
         fs.create_dir(posixpath.dirname(target), recursive=True)
         fs.move(f"{base}/{relative}", target)
         moved.append(target)
@@ -440,18 +513,23 @@ def quarantine(root: str, problems: list[Problem]) -> list[str]:
 
 
 def readable_files(root: str, table: str) -> tuple[list[str], list[Problem]]:
-    """The `*.parquet` files of one table that read as Parquet, and the ones that do not."""
+    """The `*.parquet` files of one table a report may read, and the ones it must not: unreadable,
+    foreign (a column not of the table, or of another type) or under a partition directory whose
+    name is not a valid sweep id or method."""
     fs, base = _filesystem(root)
     paths = [i.path for i in _parquet_files(fs, f"{base}/{table}")
              if not i.base_name.startswith(".") and i.base_name.endswith(".parquet")]
+
+    def problem(path: str) -> str | None:
+        return _partition_problem(posixpath.relpath(path, base)) or _file_problem(fs, path, table)[1]
+
     with ThreadPoolExecutor(READERS) as pool:  # an object store answers each footer read after a round trip
-        rows = list(pool.map(lambda path: _rows(fs, path), paths))
-    good = [p for p, n in zip(paths, rows) if n is not None]
-    bad = [p for p, n in zip(paths, rows) if n is None]
+        reasons = list(pool.map(problem, paths))
+    good = [p for p, reason in zip(paths, reasons) if reason is None]
     if not isinstance(fs, pafs.LocalFileSystem):  # object stores list "bucket/key": readers need the scheme back
         scheme = root.split("://", 1)[0]
         good = [f"{scheme}://{p}" for p in good]
-    return good, [Problem(p, "not readable Parquet") for p in bad]
+    return good, [Problem(p, reason) for p, reason in zip(paths, reasons) if reason is not None]
 
 
 def read_files(root: str, table: str, paths: list[str]) -> pa.Table:

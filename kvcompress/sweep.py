@@ -39,6 +39,8 @@ sent to another worker) and in the results' `config` column.
 from __future__ import annotations
 
 import itertools
+import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -49,10 +51,10 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from . import datasets
-from .errors import ConfigError
+from .errors import ConfigError, shown
 from .methods import method_config
 from .methods.base import Method
-from .model import context_window
+from .model import context_window, refuse_custom_code
 from .results import validate_sweep_id
 from .runner import PROTOCOLS
 from .shapes import DTYPES, SHAPES, model_classes, shape_config
@@ -63,6 +65,10 @@ GRIDS_DIR = Path(__file__).parent / "grids"
 # scorer with its parameters): an axis named after
 # one takes its mappings as values, not as several parameters set together
 MAPPING_PARAMS = ("quantize", "scorer")
+
+# Runs (samples x method cells x protocols; a speed grid's measurements) a grid may expand to unless its
+# `max_runs` (or --max-runs) says more: ~10x the largest grid run here, far below what exhausts memory
+MAX_RUNS = 100_000
 
 # Rough CPU throughput of the embedded model (PLATFORM.md), for `--dry-run` cost estimates only.
 PREFILL_TOK_S = 150.0
@@ -201,6 +207,8 @@ class SweepSpec(_Strict):
     protocol: _list_of(str) = Field(default=["query_aware"], description=f"any of {list(PROTOCOLS)}")
     run_timeout_s: float | None = Field(default=1800.0, description="per method run; a slower run is recorded as timeout")
     allow_beyond_window: bool = Field(default=False, description="run contexts longer than the model's window (marked)")
+    max_runs: int = Field(default=MAX_RUNS, description="refuse a grid of more runs (samples x method cells x "
+                          "protocols) before expanding it; raise it to run a bigger grid (also: --max-runs)")
     datasets: list[DatasetAxis] = Field(default_factory=list)
     methods: list[MethodAxis] = Field(default_factory=list)
 
@@ -233,11 +241,18 @@ class SweepSpec(_Strict):
                     tuple(shards))
 
     def _validate(self) -> tuple[Method, ...]:
+        size = self._size_errors()
+        if size:  # before anything is expanded
+            raise SweepError(size)
         errors: list[str] = []
         try:
             validate_sweep_id(self.name, "name")
         except ConfigError as exc:
             errors.append(str(exc))
+        try:
+            refuse_custom_code(Path(self.model).expanduser())  # before the flow: Prefect never retries it
+        except ConfigError as exc:
+            errors.append(f"model: {exc}")
         window = self.context_window()
         if self.decode_steps is not None and not 1 <= self.decode_steps <= 4096:
             errors.append(f"decode_steps: expected an int in [1, 4096] or null (no cap), got {self.decode_steps!r}")
@@ -263,6 +278,17 @@ class SweepSpec(_Strict):
         if errors:
             raise SweepError(errors)
         return tuple(configs)
+
+    def _size_errors(self) -> list[str]:
+        """The grid's runs counted from its axes' lengths (nothing built): over `max_runs`, an error."""
+        rows = 0
+        for axis in self.datasets:
+            for length in axis.context_tokens:
+                try:
+                    rows += datasets.dataset_config(axis.name, axis.loader_params(length)).row_count() or 1
+                except (ConfigError, TypeError):
+                    rows += 1  # its own error comes with the others
+        return _too_big(rows * _cell_count(self.methods) * len(self.protocol), "runs", self.max_runs)
 
     def context_window(self) -> int | None:
         """The model's context window (None when unknown offline; a bad model name is the loader's error)."""
@@ -338,6 +364,8 @@ class SpeedSpec(_Strict):
     warmup: int = Field(default=4, description="untimed decode steps after the prefill")
     prefill_rounds: int = Field(default=1, description="timed prefills per cache, taking turns")
     allow_beyond_window: bool = Field(default=False, description="run contexts longer than the model's window")
+    max_runs: int = Field(default=MAX_RUNS, description="refuse a grid of more measurements before expanding it "
+                          "(also: --max-runs)")
     methods: list[MethodAxis] = Field(default_factory=list)
 
     def plan(self) -> SpeedPlan:
@@ -360,6 +388,11 @@ class SpeedSpec(_Strict):
         return SpeedModel(name=self.model)
 
     def _validate(self) -> tuple[SpeedModel, tuple[Method, ...]]:
+        settings = len(self.batch if self.batch is not None else self.kv_budget_gib or ())
+        size = _too_big(len(self.context_tokens) * max(settings, 1) * _cell_count(self.methods), "measurements",
+                        self.max_runs)
+        if size:  # before anything is expanded
+            raise SweepError(size)
         errors: list[str] = []
         try:
             validate_sweep_id(self.name, "name")
@@ -412,10 +445,25 @@ def _method_cells(axes: list[MethodAxis], errors: list[str]) -> list[Method]:
             try:
                 configs.append(method_config(axis.name, **params))
             except (ConfigError, TypeError) as exc:
-                errors.append(f"methods[{i}] ({axis.name} {params}): {exc}")
-    duplicates = {c.label() for c in configs if sum(d == c for d in configs) > 1}
+                errors.append(f"methods[{i}] ({axis.name} {shown(params)}): {exc}")
+    counts = Counter(c.to_json() for c in configs)  # linear: 10k cells check in well under a second
+    duplicates = {c.label() for c in configs if counts[c.to_json()] > 1}
     errors += [f"methods: duplicate cell {d}" for d in sorted(duplicates)]
     return configs
+
+
+def _cell_count(axes: list[MethodAxis]) -> int:
+    """Method cells the axes expand to, counted without expanding them."""
+    return sum(math.prod(len(values) for values in axis.grid.values()) for axis in axes)
+
+
+def _too_big(runs: int, what: str, max_runs: int) -> list[str]:
+    """The error of a grid over its `max_runs`, found before anything is expanded (a 600-byte grid can
+    ask for 10^7 samples or 10^6 method cells: minutes of planning and gigabytes before the first run)."""
+    if runs <= max_runs:
+        return []
+    return [f"max_runs: this grid expands to {runs:,} {what}, more than max_runs={max_runs:,}; nothing was "
+            f"expanded. Shrink the grid, or raise the limit (grid key `max_runs: N`, or --max-runs N)"]
 
 
 def _budgets_fit(configs: list[Method], lengths: set[int]) -> list[str]:
@@ -470,21 +518,41 @@ def _messages(exc: ValidationError, root: type[BaseModel]) -> list[str]:
             lines.append(f"{_where(loc)}: required")
         else:
             message = error["msg"].removeprefix("Input should be ").removeprefix("an ")
-            lines.append(f"{_where(loc) or 'sweep'}: expected {message}, got {error.get('input')!r}")
+            lines.append(f"{_where(loc) or 'sweep'}: expected {message}, got {shown(error.get('input'))}")
     return lines
 
 
 KINDS = {"quality": SweepSpec, "speed": SpeedSpec}
+# Values a grid may hold, counted as written out: YAML aliases share one object, so a 600-byte file of
+# nested aliases is a small object here and 10^9 values to everything that walks it (validation, a repr)
+MAX_GRID_VALUES = 1_000_000
+
+
+def _check_size(data: Any) -> None:
+    """Refuse a grid of more than MAX_GRID_VALUES values as written out, counting at most that many."""
+    pending, seen = [data], 0
+    while pending:
+        value = pending.pop()
+        seen += 1
+        if seen > MAX_GRID_VALUES:
+            raise SweepError([f"grid: expected at most {MAX_GRID_VALUES:,} values written out, got more (YAML "
+                              "aliases that expand each other?): write the grid out, or split it"])
+        if isinstance(value, dict):
+            pending += value.keys()
+            pending += value.values()
+        elif isinstance(value, (list, tuple)):
+            pending += value
 
 
 def parse_spec(data: Any) -> SweepSpec | SpeedSpec:
     """Build a spec from a mapping (`kind: speed` a SpeedSpec, else a SweepSpec); a SweepError lists
     every structural error (unknown keys with the allowed names, missing names, wrong types)."""
     if not isinstance(data, dict):
-        raise SweepError([f"sweep: expected a mapping, got {data!r}"])
+        raise SweepError([f"sweep: expected a mapping, got {shown(data)}"])
+    _check_size(data)
     kind = data.get("kind", "quality")
     if kind not in KINDS:
-        raise SweepError([f"kind: expected one of {list(KINDS)}, got {kind!r}"])
+        raise SweepError([f"kind: expected one of {list(KINDS)}, got {shown(kind)}"])
     try:
         return KINDS[kind].model_validate(data)
     except ValidationError as exc:

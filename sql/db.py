@@ -11,7 +11,8 @@ from pathlib import Path
 import duckdb
 
 from kvcompress.errors import ConfigError
-from kvcompress.results import TABLES, default_root, is_object_store, read_files, readable_files, redact
+from kvcompress.results import (TABLES, default_root, is_object_store, read_files, readable_files, redact,
+                                valid_sweep_id)
 from kvcompress.stats import compare
 
 RAW_VIEWS = ("views", "speed_views")  # views over the Parquet tables (speed: the speed sweep's)
@@ -163,4 +164,6 @@ def sweep_ids(results: str | None | duckdb.DuckDBPyConnection) -> list[str]:
         "SELECT sweep_id FROM (SELECT sweep_id, created_at FROM runs UNION ALL SELECT sweep_id, created_at FROM speed) "
         "GROUP BY sweep_id ORDER BY max(created_at) DESC, sweep_id DESC"
     ).fetchall()
-    return [r[0] for r in rows]
+    # `connect` views only files under valid partition names; a view over other files (a caller's
+    # own connection) may hold any text: such a name never becomes a sweep to show or a path
+    return [r[0] for r in rows if valid_sweep_id(r[0])]

@@ -21,12 +21,14 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 import pathlib
 import re
+import uuid
 from datetime import datetime, timezone
 from importlib import resources
 
-from kvcompress.errors import check
+from kvcompress.errors import StorageError, check
 
 from .db import DEFAULT_REPORTS, sweep_ids, sweep_reports
 from .render import format_cell
@@ -133,9 +135,24 @@ def write_html(results: str | None, path: str, sweep_id: str | None = None, base
         "</body></html>",
     ]
     out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(parts), encoding="utf-8")
+    write_atomically(out, "\n".join(parts).encode("utf-8"))
     return out
+
+
+def write_atomically(path: pathlib.Path, data: bytes) -> None:
+    """`data` at `path` whole or not at all: a temp file in the same directory renamed over it, so a
+    full disk or a killed process leaves the previous file (or none), never a truncated one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(temporary, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def plotly_js() -> str:

@@ -33,9 +33,11 @@ def plan_sweep(spec: SweepSpec) -> Plan:
       retry_condition_fn=retry_unless_config_error,
       task_run_name="run-shard-{shard.dataset}-{shard.sample_index}")
 def run_shard(shard: Shard, model: str, decode_steps: int | None, sweep_id: str, results: str,
-              run_timeout_s: float | None = None) -> dict:
+              run_timeout_s: float | None = None, lease_wait_s: float = 0.0) -> dict:
     """One dataset sample through every unfinished method: one prefill, results written per run.
 
     Retries cover transient failures (I/O, a killed process); finished runs are skipped on retry.
+    A shard another launch of the sweep holds is waited for up to `lease_wait_s` seconds, then left
+    to it (counts with "leased_by").
     """
-    return execute_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s)
+    return execute_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s, lease_wait_s)

@@ -229,6 +229,68 @@ def test_summary_matches_python_aggregates(fixture_results, con):
     assert snap["score_full_mean"] == approx(mean(r["score"] for r in full_s1 if r["sample_id"] in METHOD_SAMPLES))
 
 
+def test_leaderboard_ranks_configs_by_task_averaged_score_with_cis(fixture_results, con):
+    """leaderboard.sql + its paired statistics, recomputed from the fixture's runs: per sweep and
+    config, the mean over task cells of the cell's mean score, the cells' Wilson intervals combined
+    (one cell: exactly its Wilson interval), n, the compression ratio, the paired difference from the
+    full cache with the bootstrap CI and verdict of kvcompress.stats.compare over the pooled runs, and
+    the rank by score (ties: smaller KV first)."""
+    from kvcompress.stats import compare
+
+    _, runs, _ = fixture_results
+    got = report_records(con, "leaderboard")
+    configs = group(ok_runs(runs), lambda r: (r["sweep_id"], *config_key(r)))
+    assert len(got) == len(configs) == 2 * len(CONFIGS) + 1
+    for row in got:
+        members = configs[(row["sweep_id"], *config_key(row))]
+        cells = group(members, lambda r: (r["dataset"], r["task"], r["context_tokens"]))
+        assert row["tasks"] == len(cells) == 2 and row["n"] == len(members)
+        means = [mean(r["score"] for r in cell) for cell in cells.values()]
+        assert row["score_mean"] == approx(mean(means))
+        bounds = [wilson(p, len(cell)) for p, cell in zip(means, cells.values())]
+        centre = mean((low + high) / 2 for low, high in bounds)
+        half = math.sqrt(sum(((high - low) / 2) ** 2 for low, high in bounds)) / len(bounds)
+        assert row["score_ci_low"] == approx(max(centre - half, 0.0))
+        assert row["score_ci_high"] == approx(min(centre + half, 1.0))
+        ratio = mean(mean(r["live_kv_bytes"] / r["full_kv_bytes"] for r in cell) for cell in cells.values())
+        assert row["kv_ratio_to_full"] == approx(ratio) and row["compression_ratio"] == approx(1 / ratio)
+        diffs = [mean(r["score"] - full_score(runs, r) for r in cell) for cell in cells.values()]
+        assert row["diff_vs_full"] == approx(mean(diffs))
+        if row["method"] == "full":
+            assert row["diff_vs_full_ci_low"] is None and row["vs_full"] is None
+            continue
+        # in paired.sql's order (the seeded bootstrap resamples by position)
+        pairs = sorted(members, key=lambda r: (r["dataset"], r["task"], r["context_tokens"], r["sample_id"]))
+        stats = compare([r["score"] for r in pairs], [full_score(runs, r) for r in pairs])
+        assert (row["diff_vs_full_ci_low"], row["diff_vs_full_ci_high"], row["mcnemar_p_vs_full"], row["vs_full"]) == (
+            approx(stats.ci_low), approx(stats.ci_high), stats.mcnemar_p, stats.verdict)
+        assert stats.mcnemar_p is None  # longbench's scores are fractional: no exact test over the pooled runs
+    for sweep_id in ("s1", "s2"):
+        ranked = [r for r in got if r["sweep_id"] == sweep_id]
+        assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1))
+        keys = [(-r["score_mean"], r["kv_ratio_to_full"]) for r in ranked]
+        assert keys == sorted(keys)
+
+
+def test_screen_shows_the_ranked_leaderboard_and_says_what_tilde_means(fixture_results, con):
+    from kvcompress_reports.render import SCREEN_WIDTH, screen, to_text
+
+    text = to_text(*screen(con, "s2"))
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= SCREEN_WIDTH
+    assert any(line.startswith("~: not distinguishable from the full cache at this n (the paired 95% CI spans 0")
+               for line in lines)
+    start = lines.index("Leaderboard: configs ranked by their score averaged over 2 task cells")
+    ranked = [r for r in report_records(con, "leaderboard") if r["sweep_id"] == "s2"]
+    table = [line for line in lines[start + 3:start + 3 + len(ranked)]]
+    for line, r in zip(table, ranked):
+        assert line.split()[0] == str(r["rank"]) and r["config_label"] in line
+        assert f"{r['score_mean']:.2f} ({r['score_ci_low']:.2f}-{r['score_ci_high']:.2f})" in line
+        if r["method"] != "full":
+            assert f"{r['diff_vs_full']:+.2f} ({r['diff_vs_full_ci_low']:+.2f}..{r['diff_vs_full_ci_high']:+.2f})" in line
+            assert line.endswith("~") == (r["vs_full"] == "not distinguishable")
+
+
 def test_pareto_front_membership(fixture_results, con):
     _, runs, _ = fixture_results
     cells = group(ok_runs(runs), lambda r: (r["sweep_id"], r["dataset"], r["context_tokens"]))
@@ -448,7 +510,7 @@ def test_render_reports_prints_every_report(fixture_results):
 
     text = render_reports(fixture_results[0])
     titles = re.findall(r"^== (\w+) \((\d+) rows\)$", text, flags=re.M)
-    assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["summary", "paired", "evidence", "pareto",
+    assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["leaderboard", "summary", "paired", "evidence", "pareto",
                                                                "degradation", "speed_memory", "throughput",
                                                                "compare_sweeps"]
     assert all(int(n) > 0 for _, n in titles)
@@ -514,7 +576,7 @@ def test_html_report_is_self_contained_and_joins_only_families(fixture_results, 
     assert text.count("plotly.js v") == 1 and text.count("<script") == 4
     ours = re.sub(r"<script>/\*\*\n\* plotly\.js v.*?</script>", "", text, flags=re.S)  # all but plotly.js
     assert len(ours) < len(text) - 4_000_000 and not re.search(r"<script[^>]* src=|<link|<img|@import|url\(|https?://", ours)
-    assert text.count("<table>") == 9 and "sweep s2" in text  # every report; default: the newest sweep
+    assert text.count("<table>") == 10 and "sweep s2" in text  # every report; default: the newest sweep
     data = embedded_data(text)
     assert data["methods"] == ["full", "keyformer", "kivi", "snapkv"] and data["protocols"] == ["query_aware"]
     assert data["tasks"] == ["longbench/qa", "ruler/niah"]
@@ -601,7 +663,8 @@ def test_publish_artifacts_to_a_real_prefect_server(fixture_results):
     with prefect_test_harness(server_startup_timeout=60):
         keys = publish(fixture_results[0], "s2")
         assert keys == {name: f"sweep-s2-{name.replace('_', '-')}" for name in
-                        ["summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps"]}
+                        ["leaderboard", "summary", "paired", "evidence", "pareto", "degradation", "speed_memory",
+                         "compare_sweeps"]}
         stored = {name: Artifact.get(key) for name, key in keys.items()}
     summary = stored["summary"]
     assert summary.type == "table"
@@ -711,7 +774,8 @@ def test_report_fits_one_screen_and_points_to_the_rest(fixture_results, tmp_path
     row = next(line for line in lines if line[2:].split()[:2] == ["full", "niah"])
     assert f"{sum(full_niah) / len(full_niah):.2f} (" in row
     configs = {(r["method"], r["budget"], r["bits"], r["tau_init"], r["task"]) for r in s2}
-    assert sum(line[2:].split()[:1] in (["full"], ["kivi"], ["snapkv"], ["keyformer"]) for line in lines) == len(configs)
+    main = lines[:next(i for i, line in enumerate(lines) if line.startswith("Leaderboard:"))]  # then the ranked table
+    assert sum(line[2:].split()[:1] in (["full"], ["kivi"], ["snapkv"], ["keyformer"]) for line in main) == len(configs)
 
 
 def test_report_formats_for_scripts(fixture_results):
@@ -732,7 +796,7 @@ def test_report_formats_for_scripts(fixture_results):
     assert done.stdout.startswith("### pareto\n\n| sweep_id | dataset |")
     done = kvcompress("report", "--results", root, "--all", "--no-html")
     titles = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("== ")]
-    assert titles == ["summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
+    assert titles == ["leaderboard", "summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
                       "compare_sweeps"]
 
 

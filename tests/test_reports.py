@@ -607,7 +607,14 @@ def test_html_report_in_headless_chromium(fixture_results, tmp_path):
     assert shown["leaderboard"][panels[1]] == ["keyformer tau=1..2", "kivi bits=2", "kivi bits=3", "kivi bits=4",
                                                "snapkv", "full cache"]
     assert shown["paired"][panels[1]][-2:] == ["snapkv budget=0.25", "snapkv budget=0.5"]  # budgets by value
-    assert len(shown["depth"]) == len(CONFIGS) + 1 and all(k.endswith(" - ruler/niah") for k in shown["depth"])
+    # one heatmap per needle task, a column per config (it was one heatmap per config and task)
+    assert shown["depth"] == {"ruler/niah": sorted({c["config_label"] for c in embedded_data(page.read_text())["depth"]},
+                                                   key=lambda label: (label.split()[0], label))}
+    assert len(shown["depth"]["ruler/niah"]) == len(CONFIGS) + 1
+    # the ranked table: every config of the protocol, in leaderboard.sql's rank order
+    ranking = [r for r in embedded_data(page.read_text())["ranking"] if r["protocol"] == "query_aware"]
+    assert shown["ranking"] == [r["config_label"] for r in sorted(ranking, key=lambda r: r["rank"])]
+    assert len(ranking) == len(CONFIGS) + 1 and ">rank</th>" in dom
     assert dom.count('class="main-svg"') >= 2 * (2 + 2 + len(shown["depth"]) + 2 + 1 + 2)  # plotly drew every panel
     assert 'class="legendtext"' in dom and ">kivi bits=3<" in dom
     assert shown["throughput"] == {"m @ 1024 tokens": ["full", "kivi bits=2", "snapkv budget=0.5"]}
@@ -618,7 +625,8 @@ def test_html_report_in_headless_chromium(fixture_results, tmp_path):
     assert shown["leaderboard"] == {panels[1]: ["snapkv", "full cache"]}
     assert shown["paired"] == {panels[1]: ["snapkv budget=0.25", "snapkv budget=0.5"]}
     assert shown["throughput"] == {"m @ 1024 tokens": ["full", "snapkv budget=0.5"]}
-    assert list(shown["depth"]) == ["full - ruler/niah", "snapkv budget=0.25 - ruler/niah", "snapkv budget=0.5 - ruler/niah"]
+    assert shown["depth"] == {"ruler/niah": ["full", "snapkv budget=0.25", "snapkv budget=0.5"]}
+    assert {label.split()[0] for label in shown["ranking"]} == {"full", "snapkv"}
     assert list(shown["pareto"]) == ["ruler @ 1024 tokens"] and "kivi bits=2" not in shown["degradation"][
         "KL and top-1 agreement vs decode step (all tasks)"]
     legend = set(re.findall(r'class="legendtext"[^>]*>([^<]*)<', dom))
@@ -634,6 +642,56 @@ def test_html_report_in_headless_chromium(fixture_results, tmp_path):
     gray = pixels[..., :3].mean(axis=-1)
     assert gray.var() > 1e-3  # not blank
     assert (gray < 0.5).mean() > 0.005  # text and plot lines drawn in dark ink
+
+
+# document.documentElement.scrollHeight of the fixture's page at 1400 x 2000 in this Chromium, before
+# the heatmaps were combined and the report tables folded (commit 6a65b3b: one heatmap per config
+# and task, every report table open)
+OLD_PAGE_HEIGHT = 8904
+# runs `body` once the page says it rendered, and again after it (the `then` callback); puts what
+# `report()` returns in <pre id="probe">
+PROBE = """<script>
+const settled = next => { const wait = () => document.body.dataset.status === "rendered" ? next() : setTimeout(wait, 50);
+                          setTimeout(wait, 50); };
+const report = data => { const p = document.createElement("pre"); p.id = "probe";
+                         p.textContent = JSON.stringify(data); document.body.append(p); };
+window.addEventListener("load", () => settled(() => { %s }));
+</script>"""
+# 20 filter changes in one tick (every box off, then on, then off again...), then what the page shows
+BURST = """
+  const boxes = [...document.querySelectorAll("#filters input[type=checkbox]")];
+  for (let i = 0; i < 20; i++) {
+    const box = boxes[i % boxes.length];
+    box.checked = !box.checked;
+    box.dispatchEvent(new Event("change"));
+  }
+  settled(() => report({checked: boxes.filter(b => b.checked).map(b => b.value)}));
+"""
+
+
+def probed(tmp_path, page: Path, body: str, name: str) -> Path:
+    out = tmp_path / name
+    out.write_text(page.read_text().replace("</body></html>", PROBE % body + "</body></html>"))
+    return out
+
+
+def test_html_report_survives_a_burst_of_filter_changes_and_is_half_as_tall(fixture_results, tmp_path):
+    """Issue 50 (4): 20 filter changes in one tick made plotly.js reject ('_redrawFromAutoMarginCount')
+    into a wall of errors. The page now draws once per animation frame, after the previous drawing's
+    plots settled: no error, the final filters drawn. And the page is less than half as tall."""
+    from kvcompress_reports.html_report import write_html
+
+    page = write_html(fixture_results[0], str(tmp_path / "report.html"))
+    dom, shown = rendered(tmp_path, probed(tmp_path, page, BURST, "burst.html"))  # no error caught or logged
+    probe = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', dom).group(1))
+    # 20 toggles of 4 boxes: each box flipped 5 times, so every method is off; the views say so
+    assert probe["checked"] == [] and shown["filters"]["methods"] == [] and shown["ranking"] == []
+    assert shown["leaderboard"] == {} and shown["depth"] == {}
+
+    height = probed(tmp_path, page, "report({height: document.documentElement.scrollHeight});", "height.html")
+    done = chromium(tmp_path, "--window-size=1400,2000", "--dump-dom", height.resolve().as_uri())
+    measured = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', done.stdout).group(1))["height"]
+    assert 2000 < measured < OLD_PAGE_HEIGHT / 2
 
 
 def test_html_report_shows_script_errors_on_the_page(tmp_path):

@@ -60,33 +60,44 @@ def check_api_auth(api_url: str) -> None:
 
 
 @contextlib.contextmanager
-def progress_bar():
-    """A rich progress bar of the in-process sweep's shards on a terminal (Prefect's log lines say
-    the same elsewhere)."""
+def progress_bar(runs: int | None = None):
+    """Rich progress bars of the in-process sweep on a terminal, with ETAs: its `runs` (each run as it
+    ends, from runs executed in this process) and its shards (wherever they run); Prefect's log lines
+    say the same elsewhere."""
     if not sys.stderr.isatty():
         yield
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from kvcompress.execute import RUN_LISTENERS
     from kvcompress_flows.sweep import PROGRESS_LISTENERS
 
-    bar = Progress(TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-                   TimeRemainingColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
+    bar = Progress(TextColumn("{task.fields[unit]:<6}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"),
+                   console=Console(stderr=True))
+    run_task = bar.add_task("", total=runs, unit="runs") if runs else None
     task = None
 
     def update(done: int, total: int, what: str) -> None:
         nonlocal task
         if task is None:
-            task = bar.add_task(what, total=total)
+            task = bar.add_task(what, total=total, unit="shards")
         bar.update(task, completed=done, description=what)
 
+    def run_ended(label: str, status: str) -> None:
+        bar.update(run_task, advance=1, description=f"{label}: {status}")
+
     PROGRESS_LISTENERS.append(update)
+    if run_task is not None:
+        RUN_LISTENERS.append(run_ended)
     try:
         with bar:
             yield
     finally:
         PROGRESS_LISTENERS.remove(update)
+        if run_task is not None:
+            RUN_LISTENERS.remove(run_ended)
 
 
 def cmd_sweep(args) -> int:
@@ -108,7 +119,7 @@ def cmd_sweep(args) -> int:
     if args.distribute and args.dask:
         raise ConfigError("--dask runs the shards on Dask, --distribute on Prefect workers: choose one")
     check_root(args.results)  # before the model loads: a bad root fails here, once
-    with prefect_api(), progress_bar():
+    with prefect_api(), progress_bar(None if args.distribute or args.dask else plan.runs):
         from kvcompress_flows.sweep import sweep
 
         sweep(grid=spec, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,

@@ -21,7 +21,7 @@ from .methods.eviction import EvictionCache
 class GenerationStats:
     prompt_tokens: int
     generated_tokens: int
-    tokens_seen: int  # positions the cache was fed (the last generated token is never fed)
+    tokens_seen: int  # positions the cache was fed (mlx-lm feeds the last generated token too: it runs a step ahead)
     tokens_kept: int  # per attention layer (mean over layers)
     live_kv_bytes: int
     full_kv_bytes: int  # the full cache for the same tokens

@@ -248,10 +248,11 @@ def test_leaderboard_ranks_configs_by_task_averaged_score_with_cis(fixture_resul
         means = [mean(r["score"] for r in cell) for cell in cells.values()]
         assert row["score_mean"] == approx(mean(means))
         bounds = [wilson(p, len(cell)) for p, cell in zip(means, cells.values())]
-        centre = mean((low + high) / 2 for low, high in bounds)
-        half = math.sqrt(sum(((high - low) / 2) ** 2 for low, high in bounds)) / len(bounds)
-        assert row["score_ci_low"] == approx(max(centre - half, 0.0))
-        assert row["score_ci_high"] == approx(min(centre + half, 1.0))
+        below = math.sqrt(sum((p - low) ** 2 for p, (low, _) in zip(means, bounds))) / len(bounds)
+        above = math.sqrt(sum((high - p) ** 2 for p, (_, high) in zip(means, bounds))) / len(bounds)
+        assert row["score_ci_low"] == approx(max(mean(means) - below, 0.0))
+        assert row["score_ci_high"] == approx(min(mean(means) + above, 1.0))
+        assert row["score_ci_low"] <= row["score_mean"] <= row["score_ci_high"]
         ratio = mean(mean(r["live_kv_bytes"] / r["full_kv_bytes"] for r in cell) for cell in cells.values())
         assert row["kv_ratio_to_full"] == approx(ratio) and row["compression_ratio"] == approx(1 / ratio)
         diffs = [mean(r["score"] - full_score(runs, r) for r in cell) for cell in cells.values()]

@@ -1,4 +1,4 @@
-"""`kvcompress` command line: sweep, report, check, methods, grid-schema, doctor."""
+"""`kvcompress` command line: sweep, eval, generate, report, check, methods, grid-schema, doctor."""
 
 from __future__ import annotations
 
@@ -63,33 +63,44 @@ def check_api_auth(api_url: str) -> None:
 
 
 @contextlib.contextmanager
-def progress_bar():
-    """A rich progress bar of the in-process sweep's shards on a terminal (Prefect's log lines say
-    the same elsewhere)."""
+def progress_bar(runs: int | None = None):
+    """Rich progress bars of the in-process sweep on a terminal, with ETAs: its `runs` (each run as it
+    ends, from runs executed in this process) and its shards (wherever they run); Prefect's log lines
+    say the same elsewhere."""
     if not sys.stderr.isatty():
         yield
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from kvcompress.execute import RUN_LISTENERS
     from kvcompress_flows.sweep import PROGRESS_LISTENERS
 
-    bar = Progress(TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-                   TimeRemainingColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
+    bar = Progress(TextColumn("{task.fields[unit]:<6}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"),
+                   console=Console(stderr=True))
+    run_task = bar.add_task("", total=runs, unit="runs") if runs else None
     task = None
 
     def update(done: int, total: int, what: str) -> None:
         nonlocal task
         if task is None:
-            task = bar.add_task(what, total=total)
+            task = bar.add_task(what, total=total, unit="shards")
         bar.update(task, completed=done, description=what)
 
+    def run_ended(label: str, status: str) -> None:
+        bar.update(run_task, advance=1, description=f"{label}: {status}")
+
     PROGRESS_LISTENERS.append(update)
+    if run_task is not None:
+        RUN_LISTENERS.append(run_ended)
     try:
         with bar:
             yield
     finally:
         PROGRESS_LISTENERS.remove(update)
+        if run_task is not None:
+            RUN_LISTENERS.remove(run_ended)
 
 
 def cmd_sweep(args) -> int:
@@ -113,12 +124,58 @@ def cmd_sweep(args) -> int:
     if args.distribute and args.dask:
         raise ConfigError("--dask runs the shards on Dask, --distribute on Prefect workers: choose one")
     check_root(args.results)  # before the model loads: a bad root fails here, once
-    with prefect_api() as api, exit_when_server_dies(api), progress_bar():
+    runs = None if args.distribute or args.dask else plan.runs
+    with prefect_api() as api, exit_when_server_dies(api), progress_bar(runs):
         from kvcompress_flows.sweep import sweep
 
         sweep(grid=spec, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,
               shard_timeout_s=args.shard_timeout, dask=args.dask)
     print_screen(args.results, args.sweep_id or spec.name)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """A one-line evaluation: the grid its options make (kvcompress/oneline.py), run as `sweep` runs one."""
+    from kvcompress.oneline import eval_spec
+
+    spec = eval_spec(args.method, args.budget or [], args.param or [], args.dataset or ["ruler:niah_single_2"],
+                     args.context or [1024], args.num_samples, args.protocol or ["query_aware"], args.model, args.seed)
+    args.grid, args.distribute, args.dask, args.shard_timeout = spec, False, None, 6 * 3600
+    return cmd_sweep(args)
+
+
+def cmd_generate(args) -> int:
+    """Stream a greedy answer through a compressed cache, then its cache and speed line."""
+    from kvcompress.api import load_model
+    from kvcompress.generation import GenerationStats, generate, prompt_tokens
+    from kvcompress.methods import method_config
+    from kvcompress.oneline import parse_param
+
+    params = {"bits": args.bits, "budget": args.budget}
+    for text in args.param or ():
+        target, key, value = parse_param(text)
+        if target not in (None, args.method):
+            raise ConfigError(f"--param {text}: expected a parameter of --method {args.method}, got one of {target!r}")
+        params[key] = value
+    params = {k: v for k, v in params.items() if v is not None}
+    method_config(args.method, **params)  # a bad method or parameter fails before the model loads
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ConfigError("--prompt, --prompt-file: expected exactly one of them")
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens: expected an int >= 1, got {args.max_tokens}")
+    try:
+        text = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
+    except OSError as exc:
+        raise ConfigError(f"--prompt-file: cannot read {args.prompt_file!r} ({exc.strerror})") from None
+    model, tokenizer = load_model(args.model)
+    tokens = prompt_tokens(tokenizer, text, args.chat)
+    if len(tokens) < 2:
+        raise ConfigError(f"--prompt: expected at least 2 tokens, got {len(tokens)}")
+    for piece in generate(model, tokenizer, tokens, args.method, args.max_tokens, **params):
+        if isinstance(piece, GenerationStats):
+            print(f"\n[{args.method} {' '.join(f'{k}={v}' for k, v in params.items())}] {piece.line()}".rstrip())
+        else:
+            print(piece, end="", flush=True)
     return 0
 
 
@@ -263,6 +320,14 @@ def cmd_doctor(args) -> int:
     return 1 if report.failed() else 0
 
 
+def _number(text: str) -> int | float:
+    """A budget as the grid reads it: 256 is tokens (an int), 0.25 a fraction (a float)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)  # argparse turns a ValueError into its one-line usage error
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcompress", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -282,6 +347,38 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--shard-timeout", type=float, default=6 * 3600,
                    help="with --distribute or --dask: seconds to wait for the shards before failing (default 6 h)")
     s.set_defaults(func=cmd_sweep)
+
+    e = sub.add_parser("eval", help="evaluate methods in one line, without a grid file (the grid it makes runs as a sweep)",
+                       description="e.g. kvcompress eval --method snapkv --budget 0.25 --dataset ruler:niah_single_2 "
+                                   "--context 4096 -n 20. The full cache is always run too (every 'vs full' is against it).")
+    e.add_argument("--model", default="smollm2-135m", help="model name or path (default: the embedded SmolLM2-135M)")
+    e.add_argument("--method", action="append", required=True, help="a method (`kvcompress methods`); repeatable")
+    e.add_argument("--budget", action="append", type=_number,
+                   help="KV budget (fraction of the prompt, or tokens if > 1) of the methods that have one; repeatable")
+    e.add_argument("--param", action="append", metavar="[METHOD.]KEY=VALUE",
+                   help="a method parameter (e.g. bits=4, snapkv.recent=16); repeat a key for several values")
+    e.add_argument("--dataset", action="append", metavar="NAME[:TASK]",
+                   help="e.g. ruler:niah_single_2, passkey, niah:multikey, lm (default ruler:niah_single_2); repeatable")
+    e.add_argument("--context", action="append", type=int, help="context tokens (default 1024); repeatable")
+    e.add_argument("-n", "--num-samples", type=int, default=10, help="samples per dataset and context (default 10)")
+    e.add_argument("--seed", type=int, default=0, help="the datasets' seed")
+    e.add_argument("--protocol", action="append", help="query_aware (default) or query_agnostic; repeatable")
+    e.add_argument("--results", default=None, help=results_help)
+    e.add_argument("--sweep-id", default=None, help="name of this set of results (default: eval-<hash of the grid>)")
+    e.add_argument("--dry-run", action="store_true", help="print the expanded grid and a cost estimate")
+    e.set_defaults(func=cmd_eval)
+
+    gen = sub.add_parser("generate", help="generate from a prompt with a compressed cache (as mlx_lm.generate)")
+    gen.add_argument("--model", default="smollm2-135m", help="model name or path (default: the embedded SmolLM2-135M)")
+    gen.add_argument("--method", default="full", help="a method (`kvcompress methods`; default full)")
+    gen.add_argument("--bits", type=int, default=None, help="the method's bits (quantizers)")
+    gen.add_argument("--budget", type=_number, default=None, help="the method's KV budget (eviction methods)")
+    gen.add_argument("--param", action="append", metavar="KEY=VALUE", help="another method parameter; repeatable")
+    gen.add_argument("--prompt", default=None, help="the prompt text")
+    gen.add_argument("--prompt-file", default=None, help="a file holding the prompt")
+    gen.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("report", help="the answer on one screen (summary and Pareto front), or any report")
     r.add_argument("--results", default=None, help=results_help)

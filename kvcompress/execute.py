@@ -20,6 +20,10 @@ from .sweep import Shard, SpeedGroup, SpeedPlan, SweepError
 _SAMPLES: dict[tuple, list[dict]] = {}  # (dataset, frozen params, model) -> samples, a few per process
 _SAMPLES_KEPT = 8
 LEASE_POLL_S = 2.0  # how often a launch waiting for another's shard looks again
+# Called with (config label, status) as each run of a shard executed in this process ends: "ok",
+# "error" or "timeout" as written, "skipped" for a run a resumed sweep finished before (the CLI's
+# per-run progress bar)
+RUN_LISTENERS: list[Callable[[str, str], None]] = []
 
 
 def _frozen(value: Any) -> Any:
@@ -82,10 +86,15 @@ def _execute_leased(shard: Shard, model_name: str, decode_steps: int | None, swe
             record.run["config_label"] += f" [beyond {window}-token window]"
         write_run(results, sweep_id, record.method, record.run, record.steps, record.evidence)
         lease.renew()
+        for listener in RUN_LISTENERS:
+            listener(record.run["config_label"], record.run["status"])
 
     records = run_sample(model, tokenizer, samples, list(shard.methods), context, on_record=write,
                          protocols=shard.protocols, pending=lambda config: run_id(config) not in finished)
     total = len(samples) * len(shard.methods) * len(shard.protocols)
+    for listener in RUN_LISTENERS:
+        for _ in range(total - len(records)):
+            listener(f"{shard.dataset} #{shard.sample_index}", "skipped")
     return {"skipped": total - len(records), "ran": len(records), "failed": sum(r.run["status"] != "ok" for r in records)}
 
 

@@ -17,7 +17,7 @@ from kvcompress.stats import compare
 
 RAW_VIEWS = ("views", "speed_views")  # views over the Parquet tables (speed: the speed sweep's)
 VIEW_FILES = ("views.sql", "speed_views.sql", "run_scores.sql")  # raw Parquet views, then the derived view and macros
-DEFAULT_REPORTS = ("summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
+DEFAULT_REPORTS = ("leaderboard", "summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
                    "compare_sweeps")
 
 
@@ -98,6 +98,9 @@ def run_report(con: duckdb.DuckDBPyConnection, name_or_path: str) -> tuple[list[
     columns, rows = relation.columns, relation.fetchall()
     if Path(name_or_path).stem == "paired":
         return paired_statistics(columns, rows)
+    if Path(name_or_path).stem == "leaderboard" and not name_or_path.endswith(".sql"):
+        paired = con.sql(sql_text("paired"))
+        return leaderboard_statistics(columns, rows, paired.columns, paired.fetchall())
     return columns, rows
 
 
@@ -135,6 +138,31 @@ def paired_statistics(columns: list[str], rows: list[tuple]) -> tuple[list[str],
                 out_row += [stats.diff_mean, stats.ci_low, stats.ci_high, stats.mcnemar_p, stats.verdict]
         out.append(tuple(out_row))
     return PAIRED_COLUMNS, out
+
+
+LEADERBOARD_STATISTICS = ["diff_vs_full_ci_low", "diff_vs_full_ci_high", "mcnemar_p_vs_full", "vs_full"]
+
+
+def leaderboard_statistics(columns: list[str], rows: list[tuple], paired_columns: list[str],
+                           paired_rows: list[tuple]) -> tuple[list[str], list[tuple]]:
+    """sql/leaderboard.sql's rows with the paired bootstrap CI, McNemar p and verdict of each config's
+    difference from the full cache, over its runs pooled across tasks (sql/paired.sql's rows: each run
+    and the full cache's score on its sample), as the paired report computes them per task."""
+    pairs: dict[tuple, list[tuple[float, float]]] = {}
+    for row in paired_rows:
+        r = dict(zip(paired_columns, row))
+        if r["score"] is not None and r["score_full"] is not None:
+            pairs.setdefault((r["sweep_id"], r["protocol"], r["config_label"]), []).append((r["score"], r["score_full"]))
+    out = []
+    for row in rows:
+        r = dict(zip(columns, row))
+        found = pairs.get((r["sweep_id"], r["protocol"], r["config_label"]))
+        if not found or r["method"] == "full":
+            out.append((*row, None, None, None, None))
+            continue
+        stats = compare([a for a, _ in found], [b for _, b in found])
+        out.append((*row, stats.ci_low, stats.ci_high, stats.mcnemar_p, stats.verdict))
+    return columns + LEADERBOARD_STATISTICS, out
 
 
 def _mean(values: list[float]) -> float | None:

@@ -3,11 +3,13 @@ once, so the file opens offline and can be mailed or attached as is) and every r
 
 The views, each filtered in the page by task, protocol and method (the URL hash holds the choice:
 `SWEEP.html#task=ruler/niah_single_2&protocol=query_aware&methods=snapkv,kivi`):
+- ranking: the leaderboard table (leaderboard.sql), configs ranked by their task-averaged score with
+  its CI, n, compression ratio and paired difference from the full cache;
 - leaderboard: per task, each config's paired score difference vs the full cache (or its score)
   against its compression ratio, with 95% CI bands; a line joins only the configs of one family
   (same method and parameters, only the budget differs);
 - paired: each config's paired difference vs the full cache with its bootstrap CI, per task;
-- depth: score by evidence depth x context length (the needle test's grid), per config and task;
+- depth: score by evidence depth, a column per config (and context length), one heatmap per task;
 - evidence kept vs score; KL and top-1 agreement vs decode step; the quality/memory Pareto front;
 - throughput (speed sweeps): decode tok/s against the KV memory each cache's batch holds.
 
@@ -57,6 +59,8 @@ td { white-space: nowrap; }
 .panels.wide { grid-template-columns: 1fr; }
 .panel { border: 1px solid #eee; min-width: 0; }
 .panel h3 { font-size: 14px; font-weight: 600; margin: 6px 10px 0; }
+tr.resolved td { color: #b00020; }
+details.report summary { cursor: pointer; font-size: 15px; margin: 8px 0; }
 #errors { color: #b00020; white-space: pre-wrap; }
 """
 # First in the page, so it also catches what plotly.js or report.js throw: the error is shown on
@@ -70,6 +74,12 @@ const consoleError = console.error;
 console.error = (...args) => { reportError(args.join(" ")); consoleError(...args); };
 """
 SECTIONS = [  # (element id, title, note)
+    ("ranking", "Leaderboard table: configs ranked by their score averaged over tasks",
+     "Per protocol, every config by its mean score over the sweep's task cells (each cell counts once; the task "
+     "filter does not apply), with the cells' 95% Wilson intervals combined, n (runs), the compression ratio "
+     "(full cache bytes / live bytes) and the paired difference from the full cache on the same samples with its "
+     "bootstrap 95% CI. Red: resolved (the CI excludes 0 and, for 0/1 scores, McNemar p < 0.05); "
+     "'~ not distinguishable': not at this n."),
     ("leaderboard", "Leaderboard: score vs compression ratio, paired with the full cache",
      "Per task, each config's mean paired score difference from the full cache on the same samples "
      "(y: 'score' for the score itself) against its compression ratio (full cache bytes / live bytes; log "
@@ -79,8 +89,8 @@ SECTIONS = [  # (element id, title, note)
      "Paired bootstrap 95% CI; red: resolved (the CI excludes 0 and, for 0/1 scores, McNemar p < 0.05)."),
     ("depth", "Score by evidence depth and context length",
      "The needle test's grid: where the first evidence token sits in the prompt before the question "
-     "(runs.evidence_depth, in tenths) by context length; one heatmap per config and task; hover for n and "
-     "the full cache's score on the same samples."),
+     "(runs.evidence_depth, in tenths), a column per config (and context length when the sweep ran several); "
+     "one heatmap per task; hover for n and the full cache's score on the same samples."),
     ("evidence", "Evidence kept vs score",
      "A config that loses the needle and fails sits bottom-left; one that keeps it and still fails, top-right "
      "of its kept evidence but low. Hover for the config."),
@@ -120,13 +130,13 @@ def write_html(results: str | None, path: str, sweep_id: str | None = None, base
         '<div id="filters" class="filters"></div>',
     ]
     for section, title, note in SECTIONS:
-        wide = " wide" if section == "degradation" else ""
+        wide = " wide" if section in ("degradation", "depth", "ranking") else ""
         parts.append(f'<h2>{html.escape(title)}</h2><p class="note">{html.escape(note)}</p>'
                      f'<div id="{section}" class="panels{wide}"></div>')
-    parts.append("<h2>Every report <span class='note'>(all rows of the sweep, not filtered)</span></h2>")
-    for name, (columns, rows) in reports.items():
-        parts.append(f"<h3>{html.escape(name)} <span class='note'>({len(rows)} rows)</span></h3>")
-        parts.append(html_table(columns, rows))
+    parts.append("<h2>Every report <span class='note'>(all rows of the sweep, not filtered; click to open)</span></h2>")
+    for name, (columns, rows) in reports.items():  # folded: the page stays a page of views
+        parts.append(f"<details class='report' id='report-{html.escape(name)}'><summary>{html.escape(name)} "
+                     f"<span class='note'>({len(rows)} rows)</span></summary>{html_table(columns, rows)}</details>")
     parts += [
         '<pre id="shown" hidden></pre>',
         f'<script type="application/json" id="report-data">{json_text(page_data(reports))}</script>',
@@ -217,6 +227,7 @@ def page_data(reports: dict[str, tuple[list[str], list[tuple]]]) -> dict:
         "methods": methods,
         "colors": {m: COLORS[i % len(COLORS)] for i, m in enumerate(methods)},
         "leaderboard": leaderboard,
+        "ranking": _records(reports["leaderboard"]),
         "evidence": evidence,
         "depth": _records(reports["depth"]),
         "degradation": _records(reports["degradation"]),

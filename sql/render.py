@@ -120,6 +120,11 @@ def _config(label: str) -> tuple[str, str]:
 
 NOT_DISTINGUISHABLE = "~"
 ON_FRONT = "◆"
+# each one line of the screen (<= SCREEN_WIDTH)
+TILDE_LINE = (f"{NOT_DISTINGUISHABLE}: not distinguishable from the full cache at this n (the paired 95% CI spans 0, "
+              "or McNemar p >= 0.05 for 0/1 scores)")
+TOK_S_LINE = ("tok/s: single runs on a shared machine, not a speed measurement (it swings many-fold); "
+              "speed: kvcompress sweep speed-cpu")
 
 
 def screen(con, sweep_id: str) -> list:
@@ -169,7 +174,43 @@ def screen(con, sweep_id: str) -> list:
                     _number(r["score_mean"], ".2f") + ci, versus, _number(r["kl_mean"], ".2g"),
                     _number(r["top1_agree"], ".2f"), _number(r["kv_ratio_to_full"], ".2f"),
                     _number(r["decode_tok_s"], ".1f"))
-    return [out, *kernel_footnote(summary)]
+    return [out, Text(TILDE_LINE + "\n" + TOK_S_LINE), *leaderboard_table(con, sweep_id), *kernel_footnote(summary)]
+
+
+def _interval(low, high) -> str:
+    return f" ({_number(low, '+.2f')}..{_number(high, '+.2f')})" if low is not None else ""
+
+
+def leaderboard_table(con, sweep_id: str) -> list:
+    """The ranked leaderboard (leaderboard.sql): per protocol, each config by its task-averaged score
+    with its CI, n, KV relative to the full cache, and its paired difference from the full cache with
+    the bootstrap CI."""
+    rows = _records(con, "leaderboard", sweep_id)
+    if not rows:
+        return []
+    protocols = {r["protocol"] for r in rows}
+    cells = max(r["tasks"] for r in rows)
+    out = Table(title=f"Leaderboard: configs ranked by their score averaged over {cells} task cell{'s' * (cells > 1)}",
+                title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
+    out.add_column("#", justify="right")
+    out.add_column("config", overflow="fold", min_width=24)
+    for name in ("KV/full", "n", "score (95% CI)", "vs full (paired 95% CI)"):
+        out.add_column(name, justify="right", no_wrap=True)
+    protocol_shown = None
+    for r in rows:
+        if len(protocols) > 1 and r["protocol"] != protocol_shown:
+            protocol_shown = r["protocol"]
+            out.add_row("", f"{r['protocol']}:")
+        score = _number(r["score_mean"], ".2f") + (
+            f" ({_number(r['score_ci_low'], '.2f')}-{_number(r['score_ci_high'], '.2f')})" if r["score_ci_low"] is not None else "")
+        if r["method"] == "full":
+            versus = ""
+        else:
+            mark = NOT_DISTINGUISHABLE if r["vs_full"] == "not distinguishable" else " "
+            versus = _number(r["diff_vs_full"], "+.2f") + _interval(r["diff_vs_full_ci_low"], r["diff_vs_full_ci_high"]) + mark
+        out.add_row(str(r["rank"]), _config(r["config_label"])[0], _number(r["kv_ratio_to_full"], ".2f"), str(r["n"]),
+                    score, versus)
+    return [out]
 
 
 def kernel_footnote(summary: list[dict]) -> list:

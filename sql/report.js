@@ -76,7 +76,7 @@ function buildFilters() {
 
 function changed() {
   writeHash();
-  render();
+  requestRender();
 }
 
 const taskOf = r => `${r.dataset}/${r.task}`;
@@ -140,6 +140,10 @@ function note(container, text) {
   container.append(p);
 }
 
+// The Plotly promises of the render in progress: the next render waits for them all before it purges
+// a plot (purging one whose auto-margin redraw is still pending throws in plotly.js).
+let drawing = [];
+
 // One plot per group of rows: `draw(rows)` returns {traces, layout, items}; items go to #shown.
 function panels(section, rows, keyOf, draw, emptyText) {
   const container = document.getElementById(section);
@@ -156,8 +160,9 @@ function panels(section, rows, keyOf, draw, emptyText) {
     const plot = document.createElement("div");
     panel.append(heading, plot);
     container.append(panel);
-    Plotly.newPlot(plot, traces, {margin: {t: 8, r: 16, b: 16, l: 16}, font: {size: 11}, legend: LEGEND, ...layout},
-                   PLOT_CONFIG);
+    // 380 px unless a view says (plotly's 450 default made a page of many short panels needlessly tall)
+    drawing.push(Plotly.newPlot(plot, traces, {height: 380, margin: {t: 8, r: 16, b: 16, l: 16}, font: {size: 11},
+                                               legend: LEGEND, ...layout}, PLOT_CONFIG));
     shown[section][title] = items;
   }
 }
@@ -166,6 +171,49 @@ const fmt = v => (v === null || v === undefined ? "-" : Number(v).toPrecision(3)
 const cellOf = r => `${taskOf(r)} @ ${r.context_tokens} tokens`;
 
 // --- views --------------------------------------------------------------------------------------
+
+// The ranked leaderboard (leaderboard.sql): every config of the chosen protocol and methods by its
+// score averaged over the sweep's tasks (the task filter does not apply: the rank is over all tasks).
+function ranking() {
+  const container = document.getElementById("ranking");
+  container.replaceChildren();
+  const rows = DATA.ranking.filter(r => r.protocol === state.protocol && state.methods.has(r.method));
+  shown.ranking = rows.map(r => r.config_label);
+  if (rows.length === 0) return note(container, "No config passes the filters.");
+  const two = v => (v === null || v === undefined ? "-" : Number(v).toFixed(2));
+  const signed = v => (v === null || v === undefined ? "-" : (v >= 0 ? "+" : "") + Number(v).toFixed(2));
+  const table = document.createElement("table");
+  const head = table.createTHead().insertRow();
+  for (const name of ["rank", "config", "compression", "KV/full", "tasks", "n", "score (95% CI)",
+                      "vs full: paired difference (95% CI)", "verdict"]) {
+    const th = document.createElement("th");
+    th.textContent = name;
+    head.append(th);
+  }
+  const body = table.createTBody();
+  for (const r of rows) {
+    const resolved = r.vs_full === "better" || r.vs_full === "worse";
+    const cells = [
+      [r.rank, true], [r.config_label, false], [r.compression_ratio === null ? "-" : `${fmt(r.compression_ratio)}x`, true],
+      [two(r.kv_ratio_to_full), true], [r.tasks, true], [r.n, true],
+      [`${two(r.score_mean)}` + (r.score_ci_low === null ? "" : ` (${two(r.score_ci_low)}-${two(r.score_ci_high)})`), true],
+      [r.method === "full" ? "" : `${signed(r.diff_vs_full)}` + (r.diff_vs_full_ci_low === null ? ""
+        : ` (${signed(r.diff_vs_full_ci_low)}..${signed(r.diff_vs_full_ci_high)})`), true],
+      [r.method === "full" ? "reference" : (resolved ? r.vs_full : "~ not distinguishable"), false],
+    ];
+    const tr = body.insertRow();
+    for (const [text, numeric] of cells) {
+      const td = tr.insertCell();
+      td.textContent = String(text);
+      if (numeric) td.className = "num";
+    }
+    if (resolved) tr.className = "resolved";
+  }
+  const wrap = document.createElement("div");
+  wrap.className = "scroll";
+  wrap.append(table);
+  container.append(wrap);
+}
 
 // Per task, the paired difference vs the full cache (or the score) against the compression ratio.
 // One line per family: the configs of one method that differ only in the budget.
@@ -256,32 +304,37 @@ function paired() {
   }, "No paired difference passes the filters.");
 }
 
-// Score by evidence depth (rows) and context length (columns), one heatmap per config and task.
+// Score by evidence depth (rows) and config x context length (columns): one heatmap per task, a
+// column per config (per config and length when the sweep ran several lengths).
 function depth() {
   const rows = DATA.depth.filter(passes);
-  panels("depth", rows, r => `${r.config_label} - ${taskOf(r)}`, cell => {
-    const lengths = [...new Set(cell.map(r => r.context_tokens))].sort((a, b) => a - b);
+  panels("depth", rows, taskOf, cell => {
+    const several = new Set(cell.map(r => r.context_tokens)).size > 1;
+    const columnOf = r => (several ? `${r.config_label} @ ${r.context_tokens}` : r.config_label);
+    const configs = [...new Set(cell.map(r => r.config_label))].sort(compare);
+    const columns = [...new Set(cell.map(columnOf))].sort((a, b) => compare(a, b));
     const tenths = [...new Set(cell.map(r => r.depth_low))].sort((a, b) => a - b);
-    const at = new Map(cell.map(r => [`${r.depth_low}|${r.context_tokens}`, r]));
-    const z = tenths.map(d => lengths.map(c => (at.get(`${d}|${c}`) || {score_mean: null}).score_mean));
-    const customdata = tenths.map(d => lengths.map(c => {
+    const at = new Map(cell.map(r => [`${r.depth_low}|${columnOf(r)}`, r]));
+    const z = tenths.map(d => columns.map(c => (at.get(`${d}|${c}`) || {score_mean: null}).score_mean));
+    const customdata = tenths.map(d => columns.map(c => {
       const r = at.get(`${d}|${c}`);
-      return r ? [r.runs, fmt(r.score_full_mean), `${r.depth_low.toFixed(1)}-${r.depth_high.toFixed(1)}`] : [0, "-", "-"];
+      return r ? [r.runs, fmt(r.score_full_mean), `${r.depth_low.toFixed(1)}-${r.depth_high.toFixed(1)}`, r.context_tokens]
+               : [0, "-", "-", "-"];
     }));
     const unitRange = cell.every(r => r.score_ci_low !== null);
     return {
       traces: [{
-        type: "heatmap", x: lengths.map(String), y: tenths.map(d => `${d.toFixed(1)}-${(d + 0.1).toFixed(1)}`), z,
+        type: "heatmap", x: columns, y: tenths.map(d => `${d.toFixed(1)}-${(d + 0.1).toFixed(1)}`), z,
         customdata, colorscale: [[0, "#d73027"], [0.5, "#fee08b"], [1, "#1a9850"]],  // red: lost, green: found
         zmin: unitRange ? 0 : undefined, zmax: unitRange ? 1 : undefined,  // scores in [0, 1]: one scale for all
-        texttemplate: "%{z:.2f}", colorbar: {title: {text: "score"}, thickness: 12},
-        hovertemplate: "depth %{customdata[2]}, %{x} tokens<br>score %{z:.3f} (n=%{customdata[0]})"
+        texttemplate: "%{z:.2f}", colorbar: {title: {text: "score"}, thickness: 12}, xgap: 2,
+        hovertemplate: "%{x}<br>depth %{customdata[2]}, %{customdata[3]} tokens<br>score %{z:.3f} (n=%{customdata[0]})"
           + "<br>full cache %{customdata[1]}<extra></extra>",
       }],
-      items: [cell[0].config_label],
+      items: configs,
       layout: {
-        height: 140 + 28 * tenths.length,
-        xaxis: {type: "category", title: {text: "context length (tokens)"}, automargin: true},
+        height: 200 + 24 * tenths.length,
+        xaxis: {type: "category", tickangle: -30, automargin: true},
         yaxis: {type: "category", title: {text: "evidence depth"}, automargin: true},
       },
     };
@@ -396,14 +449,33 @@ function throughput() {
   }, "No speed measurement passes the filters (a speed sweep, kind: speed, writes them).");
 }
 
-function render() {
+// Draw every view for the current filters. Filter changes may land many in one tick (a "select
+// none", fast clicking): `changed` asks for one render per animation frame, and a render first waits
+// for the previous one's plots, so plotly.js never purges a plot it is still drawing.
+async function render() {
+  drawing = [];
   shown = {};
-  for (const view of [leaderboard, paired, depth, evidence, degradation, pareto, throughput]) view();
+  for (const view of [ranking, leaderboard, paired, depth, evidence, degradation, pareto, throughput]) view();
   document.getElementById("shown").textContent = JSON.stringify({filters: {...state, methods: [...state.methods]}, ...shown});
+  await Promise.all(drawing);
   document.body.dataset.status = "rendered";
+}
+
+let queued = null;  // the render asked for and not started yet
+let rendering = Promise.resolve();
+
+function requestRender() {
+  document.body.dataset.status = "rendering";
+  if (queued) return queued;
+  queued = new Promise(resolve => requestAnimationFrame(resolve)).then(() => {
+    queued = null;
+    rendering = rendering.then(render, render).catch(e => reportError(`render: ${e && e.stack || e}`));
+    return rendering;
+  });
+  return queued;
 }
 
 readHash();
 buildFilters();
-render();
-window.addEventListener("hashchange", () => { readHash(); buildFilters(); render(); });
+requestRender();
+window.addEventListener("hashchange", () => { readHash(); buildFilters(); requestRender(); });

@@ -210,6 +210,24 @@ def test_progress_bar_follows_the_in_process_sweep(monkeypatch, capsys):
     assert "3/3" in err and "passkey #2" in err
 
 
+def test_progress_bar_counts_each_run_with_an_eta(monkeypatch, capsys):
+    """With the plan's run count, the bar advances per run as each one ends (kvcompress.execute's
+    RUN_LISTENERS, skipped runs of a resumed sweep included) and shows an ETA."""
+    from kvcompress.execute import RUN_LISTENERS
+    from kvcompress_flows import cli
+    from kvcompress_flows.sweep import PROGRESS_LISTENERS
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with cli.progress_bar(runs=5):
+        (ended,) = RUN_LISTENERS
+        ended("passkey #0", "skipped")
+        ended("full", "ok")
+        ended("snapkv budget=0.25", "ok")
+    assert RUN_LISTENERS == [] and PROGRESS_LISTENERS == []
+    err = capsys.readouterr().err
+    assert "runs" in err and "3/5" in err and "snapkv budget=0.25: ok" in err and "ETA" in err
+
+
 NIGHTLY = "import sys; from kvcompress_flows.sweep import sweep; sweep('smoke', sys.argv[1], sys.argv[2], nightly=True)"
 
 

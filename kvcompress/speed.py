@@ -282,7 +282,8 @@ class SpeedModel:
         """The model's part of a measurement's id: the whole shape config, or the weights' fingerprint."""
         if self.shape is not None:
             return {"shape": self.shape, "config": shape_config(self.shape, self.layers), "dtype": self.resolved_dtype()}
-        return {"model": self.name, "model_fingerprint": model_fingerprint(self.name), "dtype": self.resolved_dtype()}
+        return {"model": self.name, "model_fingerprint": model_fingerprint(self.name, self.resolved_dtype()),
+                "dtype": self.resolved_dtype()}
 
     def context_window(self) -> int | None:
         if self.shape is not None:

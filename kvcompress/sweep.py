@@ -54,7 +54,7 @@ from . import datasets
 from .errors import ConfigError, shown
 from .methods import method_config
 from .methods.base import Method
-from .model import context_window, refuse_custom_code
+from .model import context_window, gguf_source, refuse_custom_code
 from .results import validate_sweep_id
 from .runner import PROTOCOLS
 from .shapes import DTYPES, SHAPES, model_classes, shape_config
@@ -251,6 +251,7 @@ class SweepSpec(_Strict):
             errors.append(str(exc))
         try:
             refuse_custom_code(Path(self.model).expanduser())  # before the flow: Prefect never retries it
+            gguf_source(self.model)  # a .gguf path must be a file; other names are the loader's to judge
         except ConfigError as exc:
             errors.append(f"model: {exc}")
         window = self.context_window()

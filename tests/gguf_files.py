@@ -120,11 +120,12 @@ def llama_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def tiny_model(path: Path, arch: str, rng: np.random.Generator, tied: bool = False,
-               linear_type: Q = Q.Q8_0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def tiny_model(path: Path, arch: str, rng: np.random.Generator, tied: bool = False, linear_type: Q = Q.Q8_0,
+               extra: dict[str, tuple[np.ndarray, Q]] | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """A random tiny `arch` model written as GGUF, its matrices of `linear_type` (Q4_K: Q4_K_M's mix)
     and its embedding F16. Returns (the file's tensors decoded by `gguf`, the same weights under
-    mlx-lm's names in HF's row order: what mlx-lm's model should be given)."""
+    mlx-lm's names in HF's row order: what mlx-lm's model should be given). `extra`: more tensors, as
+    written (not in the reference)."""
     vocab = len(vocabulary()[0])
     shapes = {"token_embd.weight": (vocab, HIDDEN), "output_norm.weight": (HIDDEN,)}
     if not tied:
@@ -164,9 +165,11 @@ def tiny_model(path: Path, arch: str, rng: np.random.Generator, tied: bool = Fal
                 f"{arch}.rope.freq_base": 10000.0, f"{arch}.attention.layer_norm_rms_epsilon": 1e-6}
     if arch == "qwen3":
         metadata[f"{arch}.attention.key_length"] = HEAD_DIM
-    decoded = write_file(path, arch, tensors, metadata, pre="qwen2" if arch != "llama" else "llama-bpe")
+    decoded = write_file(path, arch, {**tensors, **(extra or {})}, metadata, pre="qwen2" if arch != "llama" else "llama-bpe")
     reference = {}
     for name, values in decoded.items():
+        if name in (extra or {}):
+            continue
         if arch == "llama" and ".attn_q." in name:  # the test's own inverse of llama_permute
             values = values.reshape(HEADS, HEAD_DIM // 2, 2, -1).swapaxes(1, 2).reshape(values.shape)
         if arch == "llama" and ".attn_k." in name:

@@ -211,3 +211,23 @@ def test_a_fractional_budget_below_a_methods_protected_window_is_refused_up_fron
         load_spec(bad).shards()
     assert len(info.value.errors) == 1
     assert "snapkv budget=0.03125" in str(info.value) and "context_tokens 1024" in str(info.value)
+
+
+def test_gguf_models_in_a_grid(tmp_path, monkeypatch):
+    """`model:` takes the embedded Qwen name (its window known without the file) and .gguf paths
+    (the window read from the file); a .gguf path that is not a file is refused up front."""
+    import numpy as np
+    from gguf_files import CONTEXT, tiny_model
+
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path / "cache"))
+    qwen = {**GRID, "model": "qwen2.5-coder-1.5b"}
+    assert load_spec({**qwen, "datasets": [{"name": "passkey", "context_tokens": [16384], "num_samples": 2}]}).shards()
+    with pytest.raises(SweepError, match=r"context_tokens: expected at most 32768 \(the context window of qwen2.5-coder-1.5b\)"):
+        load_spec({**qwen, "datasets": [{"name": "passkey", "context_tokens": [40000], "num_samples": 2}]}).shards()
+    with pytest.raises(SweepError, match="model: name_or_path: expected an existing GGUF file"):
+        load_spec({**GRID, "model": str(tmp_path / "missing.gguf")}).shards()
+    path = tmp_path / "tiny.gguf"
+    tiny_model(path, "qwen2", np.random.default_rng(0))
+    assert len(load_spec({**GRID, "model": str(path)}).shards()) == 4  # 256 and 512 tokens fit its window
+    with pytest.raises(SweepError, match=rf"expected at most {CONTEXT} \(the context window of {path}\)"):
+        load_spec({**GRID, "model": str(path), "datasets": [{"name": "passkey", "context_tokens": [1024]}]}).shards()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..embedded import cache_dir, file_sha256
+from ..embedded import cache_dir, file_lock, file_sha256
 from ..errors import ConfigError
 from .architectures import architecture, mlx_name, model_config, permuted_heads, unpermute_rows
 from .reader import GGUFFile
@@ -34,7 +34,7 @@ CONVERTER_VERSION = 1  # part of every cache key: a change to what a conversion 
 GROUP_SIZE = 64  # MLX affine quantization group (mlx-lm's default)
 BITS = (2, 3, 4, 5, 6, 8)
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-SHARD_BYTES = 1 << 30  # bounds the memory a conversion holds (one shard of converted weights)
+SHARD_BYTES = 1 << 29  # bounds the memory a conversion holds: one shard, plus one tensor in numpy and MLX
 
 
 def conversions_dir() -> Path:
@@ -64,27 +64,34 @@ def convert(path: str | Path, dtype: str = "float32", bits: int | None = None, s
     check_options(dtype, bits)
     sha256 = sha256 or file_sha256(path)
     target = conversion_dir(sha256, dtype, bits)
-    if (target / "config.json").exists():
-        return target
-    start = time.perf_counter()
-    gguf = GGUFFile(path)
-    gguf.check_readable()
-    arch, spec = architecture(gguf)
-    config = model_config(gguf)
-    names = {t.name: mlx_name(t.name, spec, arch) for t in gguf.tensors}  # every name checked before any work
-    tokenizer = gguf_tokenizer({k: gguf.metadata(k) for k in TOKENIZER_KEYS if gguf.has(k)})
-    config["eos_token_id"] = eos_token_ids({k: gguf.metadata(k) for k in TOKENIZER_KEYS if gguf.has(k)})
+    if not (target / "config.json").exists():
+        start = time.perf_counter()
+        gguf = GGUFFile(path)  # every check below comes before the cache directory is touched
+        gguf.check_readable()
+        arch, spec = architecture(gguf)
+        config = model_config(gguf)
+        names = {t.name: mlx_name(t.name, spec, arch) for t in gguf.tensors}
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(target.parent / f".{target.name}.lock"):  # the other processes of a sweep wait
+            if not (target / "config.json").exists():
+                _convert(gguf, Path(path), sha256, arch, spec, config, names, dtype, bits, target, start)
+    return target
+
+
+def _convert(gguf: GGUFFile, path: Path, sha256: str, arch: str, spec, config: dict, names: dict[str, str],
+             dtype: str, bits: int | None, target: Path, start: float) -> None:
+    metadata = {k: gguf.metadata(k) for k in TOKENIZER_KEYS if gguf.has(k)}
+    tokenizer = gguf_tokenizer(metadata)
+    config["eos_token_id"] = eos_token_ids(metadata)
     if bits:
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": bits}
-
-    target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         _write_weights(gguf, names, config, spec, DTYPES[dtype], bits, scratch)
         tokenizer.save_pretrained(str(scratch))
         (scratch / "config.json").write_text(json.dumps(config, indent=2))
         (scratch / "gguf_source.json").write_text(json.dumps({
-            "file": Path(path).name, "sha256": sha256, "bytes": Path(path).stat().st_size, "architecture": arch,
+            "file": path.name, "sha256": sha256, "bytes": path.stat().st_size, "architecture": arch,
             "dtype": dtype, "bits": bits, "group_size": GROUP_SIZE if bits else None,
             "converter_version": CONVERTER_VERSION, "convert_s": round(time.perf_counter() - start, 1)}, indent=2))
         scratch.chmod(0o755)  # mkdtemp's 0700 would follow the directory when it is carried elsewhere
@@ -92,7 +99,6 @@ def convert(path: str | Path, dtype: str = "float32", bits: int | None = None, s
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    return target
 
 
 def _write_weights(gguf: GGUFFile, names: dict[str, str], config: dict, spec, dtype: mx.Dtype,
@@ -114,6 +120,7 @@ def _write_weights(gguf: GGUFFile, names: dict[str, str], config: dict, spec, dt
         if heads is not None:
             values = unpermute_rows(values, heads)
         weight = mx.array(values).astype(dtype)
+        del values  # a 150k-token embedding is 0.9 GB in float32: hold one copy, not two
         if bits and weight.ndim == 2 and weight.shape[-1] % GROUP_SIZE == 0:
             codes, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)
             module = name.removesuffix(".weight")
@@ -121,10 +128,11 @@ def _write_weights(gguf: GGUFFile, names: dict[str, str], config: dict, spec, dt
         else:
             arrays = {name: weight}
         mx.eval(list(arrays.values()))
-        shard.update(arrays)
-        shard_bytes += sum(a.nbytes for a in arrays.values())
-        if shard_bytes >= SHARD_BYTES:
+        size = sum(a.nbytes for a in arrays.values())
+        if shard_bytes + size > SHARD_BYTES:
             flush()
+        shard.update(arrays)
+        shard_bytes += size
     flush()
 
 

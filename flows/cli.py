@@ -23,14 +23,21 @@ SCREEN_WIDTH = 120  # the one-screen report's width (kvcompress_reports.render.S
 @contextlib.contextmanager
 def prefect_api():
     """The configured Prefect server, or a temporary local one that dies with this process
-    (Prefect's own ephemeral server outlives a `kill -9` of its parent)."""
-    if os.environ.get("PREFECT_API_URL"):
-        check_api_auth(os.environ["PREFECT_API_URL"])
-        yield os.environ["PREFECT_API_URL"]
-        return
-    from kvcompress_flows.local_server import LocalServer
+    (Prefect's own ephemeral server outlives a `kill -9` of its parent). A configured server on this
+    machine that does not answer (`make demo` stopped the one it started) also gets a temporary one:
+    nothing else could answer there, and a local sweep needs no particular server."""
+    from kvcompress_flows.local_server import LocalServer, healthy, is_loopback
 
-    print("starting a temporary local Prefect server (set PREFECT_API_URL to use yours)", file=sys.stderr)
+    configured = os.environ.get("PREFECT_API_URL")
+    if configured and not (is_loopback(configured) and not healthy(configured)):
+        check_api_auth(configured)
+        yield configured
+        return
+    if configured:
+        print(f"PREFECT_API_URL={configured} does not answer: starting a temporary local Prefect server",
+              file=sys.stderr)
+    else:
+        print("starting a temporary local Prefect server (set PREFECT_API_URL to use yours)", file=sys.stderr)
     with LocalServer() as api:
         os.environ["PREFECT_API_URL"] = api
         yield api
@@ -309,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the flow engine's stack
+        print("interrupted: finished runs are kept; the same command resumes the rest", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def is_loopback(api_url: str) -> bool:
+    """Whether `api_url` names a server on this machine's loopback interface."""
+    host = urllib.parse.urlparse(api_url).hostname or ""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
 def healthy(api_url: str, timeout: float = 2.0) -> bool:
     try:
         urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout)
@@ -83,6 +90,19 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) ->
         except (ProcessLookupError, PermissionError):
             pass
         return
+
+
+def drain_prefect_clients(timeout_s: float = 10.0) -> None:
+    """Send what this process's Prefect clients still hold (the API log handler's queue, the events
+    queue) while the server still answers. Left queued, they are sent at interpreter exit to a server
+    that is gone: Prefect retries for over a minute, then prints `--- Error logging to API ---`."""
+    if "prefect" not in sys.modules:  # nothing of Prefect's ran in this process: nothing queued
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):  # logs first: sending them may emit events
+        service.drain_all(timeout=timeout_s)
 
 
 class LocalServer:
@@ -113,6 +133,7 @@ class LocalServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            drain_prefect_clients()
             self.proc.stdin.close()  # the watchdog stops the server and exits
             try:
                 self.proc.wait(timeout=STOP_GRACE_S + 15)

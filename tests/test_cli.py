@@ -280,3 +280,57 @@ def test_sweep_resume_check_reports_and_nightly_regression_on_an_object_store(s3
     assert len(list(tmp_path.glob("*.html"))) == 2  # the CLI sweep's (in the working directory: results are remote), --html
     for secret in (auth.split(":")[1], AWS_ENV["AWS_SECRET_ACCESS_KEY"], AWS_ENV["AWS_ACCESS_KEY_ID"]):
         assert not [text[:200] for text in texts if secret in text]
+
+
+TINY_GRID = ("name: tiny\nmodel: smollm2-135m\ndecode_steps: 2\n"
+             "datasets: [{name: passkey, context_tokens: [256], num_samples: 1}]\nmethods: [{name: full}]\n")
+
+
+def timed_sweep(tmp_path: Path, env: dict, interrupt_on: str | None = None) -> tuple[int, list[tuple[float, str]], float]:
+    """`kvcompress sweep` on a one-run grid in a subprocess: (exit status, (time, line) of its output, time
+    of its exit). `interrupt_on`: send one SIGINT (Ctrl-C) when a line contains it."""
+    import signal
+
+    (tmp_path / "tiny.yaml").write_text(TINY_GRID)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_LOGGING_TO_API_ENABLED": "true", **env}  # as outside the tests: logs go to the API
+    proc = subprocess.Popen([sys.executable, "-m", "kvcompress_flows.cli", "sweep", "tiny.yaml", "--results",
+                             str(tmp_path / "results")], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+            if interrupt_on is not None and interrupt_on in line:
+                proc.send_signal(signal.SIGINT)
+                interrupt_on = None
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, lines, time.monotonic()
+
+
+def test_a_sweep_without_a_server_exits_within_seconds_of_its_report(tmp_path):
+    """Issue 50, items 1 and 2: the sweep's temporary server stops only after Prefect's log and event
+    queues were sent (left queued, they were sent at exit to the stopped server: ~70 s of retries, then
+    `--- Error logging to API ---`); and a configured server on this machine that does not answer (as
+    after `make demo`, whose Makefile exports PREFECT_API_URL) gets a temporary one instead of a failure."""
+    from kvcompress_flows.local_server import free_port
+
+    gone = f"http://127.0.0.1:{free_port()}/api"
+    code, lines, exited = timed_sweep(tmp_path, {"PREFECT_API_URL": gone})
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output[-3000:]
+    assert f"PREFECT_API_URL={gone} does not answer: starting a temporary local Prefect server" in output
+    assert lines[-1][1].startswith("More: ")  # the report's last line is the last thing printed
+    assert exited - lines[-1][0] < 15, output[-2000:]  # measured: 1-2 s; 70 s before
+    assert "Error logging to API" not in output
+
+
+def test_ctrl_c_ends_a_sweep_at_once_with_one_line(tmp_path):
+    code, lines, exited = timed_sweep(tmp_path, {"PREFECT_API_URL": ""}, interrupt_on="Beginning flow run")
+    output = "\n".join(line for _, line in lines)
+    interrupted = next(t for t, line in lines if "Beginning flow run" in line)
+    assert code == 130 and exited - interrupted < 15, output[-3000:]
+    assert lines[-1][1] == "interrupted: finished runs are kept; the same command resumes the rest"
+    assert "Traceback" not in output and "Error logging to API" not in output

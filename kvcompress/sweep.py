@@ -52,7 +52,7 @@ from . import datasets
 from .errors import ConfigError
 from .methods import method_config
 from .methods.base import Method
-from .model import context_window
+from .model import check_model, context_window
 from .results import validate_sweep_id
 from .runner import PROTOCOLS
 from .shapes import DTYPES, SHAPES, model_classes, shape_config
@@ -237,6 +237,10 @@ class SweepSpec(_Strict):
             validate_sweep_id(self.name, "name")
         except ConfigError as exc:
             errors.append(str(exc))
+        try:
+            check_model(self.model)
+        except ConfigError as exc:
+            errors.append(str(exc))
         window = self.context_window()
         if self.decode_steps is not None and not 1 <= self.decode_steps <= 4096:
             errors.append(f"decode_steps: expected an int in [1, 4096] or null (no cap), got {self.decode_steps!r}")
@@ -264,7 +268,7 @@ class SweepSpec(_Strict):
         return tuple(configs)
 
     def context_window(self) -> int | None:
-        """The model's context window (None when unknown offline; a bad model name is the loader's error)."""
+        """The model's context window (None when unknown offline or for a bad model name: check_model's error)."""
         try:
             return context_window(self.model)
         except ConfigError:
@@ -371,10 +375,12 @@ class SpeedSpec(_Strict):
                     errors.append(f"model.dtype: expected one of {list(DTYPES)}, got {model.dtype!r}")
                 if model.layers is not None and model.layers < 1:
                     errors.append(f"model.layers: expected an int >= 1 or null, got {model.layers!r}")
+            if model.shape is None:
+                check_model(model.name)
             window = model.context_window()
             if model.shape is not None:
                 model_classes(shape_config(model.shape))  # a model_type mlx-lm does not know
-        except ConfigError as exc:  # an unknown shape; a bad model name is the loader's error
+        except ConfigError as exc:  # an unknown shape or model
             errors.append(str(exc))
         if (self.batch is None) == (self.kv_budget_gib is None):
             errors.append(f"batch, kv_budget_gib: expected exactly one of them (explicit batches, or KV budgets "

@@ -334,3 +334,20 @@ def test_ctrl_c_ends_a_sweep_at_once_with_one_line(tmp_path):
     assert code == 130 and exited - interrupted < 15, output[-3000:]
     assert lines[-1][1] == "interrupted: finished runs are kept; the same command resumes the rest"
     assert "Traceback" not in output and "Error logging to API" not in output
+
+
+@pytest.mark.parametrize("model, reason", [
+    ("smollm2-360m", "not in the local Hugging Face cache"),  # a hub id: offline, only the cache can have it
+    ("./models/no-such-dir", "no such file or directory"),
+])
+def test_a_model_that_does_not_exist_fails_validation_before_any_server(tmp_path, model, reason):
+    """Issue 50, item 5: `--dry-run` and the real run both refuse it in one line naming the grid's `model:`
+    key (it passed `--dry-run`; the run started a Prefect server and failed 27 s later naming `name_or_path`)."""
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(TINY_GRID.replace("model: smollm2-135m", f"model: {model}"))
+    env = {"PREFECT_API_URL": "", "HF_HUB_OFFLINE": "1"}
+    for args in (["--dry-run"], []):
+        line = one_line_error(kvcompress("sweep", str(grid), "--results", str(tmp_path / "results"), *args, env=env))
+        assert line.startswith(f"error: model: expected 'smollm2-135m' (embedded), an mlx-lm model directory or a "
+                               f"Hugging Face hub id, got '{model}'") and reason in line, line
+    assert not (tmp_path / "results").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -236,9 +237,26 @@ def cmd_grid_schema(args) -> int:
     return 0
 
 
+METHODS_WIDTH = 100  # `kvcompress methods` wraps to the terminal, at most this wide
+
+
 def cmd_methods(args) -> int:
+    """Each method: what it is, its parameters with their allowed values (from its docstring) and
+    defaults, wrapped to the terminal."""
+    import shutil
+
+    width = min(shutil.get_terminal_size((METHODS_WIDTH, 24)).columns, METHODS_WIDTH)
+    indent = " " * 4
+    fill = functools.partial(textwrap.fill, width=width, break_on_hyphens=False)  # "output-projected" stays whole
+    print(fill("Every method also takes layers: \"global\" (every global-attention layer) or \"all\"; "
+               "an eviction method takes quantize: a quantizer ({name: kivi, bits: 4}) that stores the "
+               "tokens it keeps.") + "\n")
     for m in list_methods():
-        print(f"{m['name']:<12} {m['doc']}\n{'':<12} params: {json.dumps(m['params'])}")
+        print(fill(f"{m['name']}: {m['doc']}", subsequent_indent=indent))
+        if m["params_doc"]:
+            print(fill(m["params_doc"], initial_indent=indent, subsequent_indent=indent))
+        defaults = ", ".join(f"{k}={json.dumps(v)}" for k, v in m["params"].items())
+        print(fill(f"defaults: {defaults}", initial_indent=indent, subsequent_indent=indent * 2))
     return 0
 
 

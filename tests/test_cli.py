@@ -351,3 +351,19 @@ def test_a_model_that_does_not_exist_fails_validation_before_any_server(tmp_path
         assert line.startswith(f"error: model: expected 'smollm2-135m' (embedded), an mlx-lm model directory or a "
                                f"Hugging Face hub id, got '{model}'") and reason in line, line
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("columns, width", [("200", 100), ("60", 60)])
+def test_methods_shows_allowed_values_wrapped_to_the_terminal(columns, width):
+    """Issue 50, item 10: no allowed values, two descriptions cut mid-sentence, lines up to 256 characters."""
+    from kvcompress import list_methods
+
+    done = kvcompress("methods", env={"COLUMNS": columns})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(map(len, lines)) <= width
+    text = " ".join(" ".join(lines).split())
+    for m in list_methods():
+        assert f"{m['name']}: {m['doc']}" in text  # whole: its first paragraph, up to its full stop
+    assert "bits: code width of keys and values (2, 3, 4, 8); key_bits / value_bits override it per side" in text
+    assert "pooling: \"max\" (paper) or \"avg\"" in text

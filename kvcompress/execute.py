@@ -41,8 +41,9 @@ def load_samples(dataset: str, params: Mapping[str, Any], model_name: str) -> li
 
 
 def execute_shard(shard: Shard, model_name: str, decode_steps: int | None, sweep_id: str, results: str,
-                  run_timeout_s: float | None = None) -> dict:
-    """Run a shard's unfinished runs; returns counts {"skipped", "ran", "failed"}."""
+                  run_timeout_s: float | None = None, log: Callable[[str], None] = lambda line: None) -> dict:
+    """Run a shard's unfinished runs; returns counts {"skipped", "ran", "failed"}. `log` gets a line per
+    finished run (a shard of the default grid takes minutes; its runs seconds each)."""
     model, tokenizer = load_model(model_name)
     first = shard.sample_index
     samples = load_samples(shard.dataset, shard.dataset_params, model_name)[first:first + shard.rows]
@@ -52,13 +53,25 @@ def execute_shard(shard: Shard, model_name: str, decode_steps: int | None, sweep
     window = context_window(model_name)
     beyond_window = bool(window and shard.dataset_params.get("context_tokens", 0) > window)
 
+    to_run: list[str] = []  # run ids, as run_sample asks about them (all before the first run)
+    done: list[str] = []
+
+    def pending(config) -> bool:
+        if run_id(config) in finished:
+            return False
+        to_run.append(run_id(config))
+        return True
+
     def write(record) -> None:
         if beyond_window:  # the grid opted in (allow_beyond_window): every report shows it
             record.run["config_label"] += f" [beyond {window}-token window]"
         write_run(results, sweep_id, record.method, record.run, record.steps, record.evidence)
+        done.append(record.run["status"])
+        log(f"run {len(done)}/{len(to_run)} of {shard.dataset} #{shard.sample_index}: {record.run['config_label']}: "
+            f"{record.run['status']}")
 
     records = run_sample(model, tokenizer, samples, list(shard.methods), context, on_record=write,
-                         protocols=shard.protocols, pending=lambda config: run_id(config) not in finished)
+                         protocols=shard.protocols, pending=pending)
     total = len(samples) * len(shard.methods) * len(shard.protocols)
     return {"skipped": total - len(records), "ran": len(records), "failed": sum(r.run["status"] != "ok" for r in records)}
 

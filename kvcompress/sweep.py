@@ -39,6 +39,7 @@ sent to another worker) and in the results' `config` column.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -506,18 +507,31 @@ def grid_schema(kind: str = "quality") -> dict[str, Any]:
     return schema
 
 
+def grid_path(source: str) -> Path | None:
+    """The file a grid name or path names: the path (a relative one from this directory, then from
+    KVCOMPRESS_HOME, the checkout a deployment's worker runs), else a built-in grid; None when none exists."""
+    path = Path(source)
+    home = os.environ.get("KVCOMPRESS_HOME")
+    candidates = [path] if path.is_absolute() or not home else [path, Path(home) / path]
+    return next((p for p in [*candidates, GRIDS_DIR / f"{source}.yaml"] if p.is_file()), None)
+
+
 def load_spec(source: str | dict[str, Any] | SweepSpec | SpeedSpec) -> SweepSpec | SpeedSpec:
     """A spec from a parsed spec, a dict, a YAML path, or a built-in grid name (kvcompress/grids/NAME.yaml)."""
     if isinstance(source, (SweepSpec, SpeedSpec)):
         return source
     if isinstance(source, dict):
         return parse_spec(source)
-    path = Path(source)
-    if not path.exists():
-        path = GRIDS_DIR / f"{source}.yaml"
-    if not path.exists():
+    path = grid_path(source)
+    if path is None:
         builtin = sorted(p.stem for p in GRIDS_DIR.glob("*.yaml"))
-        raise SweepError([f"grid: expected a YAML file or one of {builtin}, got {source!r}"])
+        where = ""
+        if not Path(source).is_absolute() and source.endswith((".yaml", ".yml", ".json")):
+            # a deployment's flow runs in the worker's directory, not where `prefect deployment run` was typed
+            home = os.environ.get("KVCOMPRESS_HOME")
+            where = (f" (a relative path is read from the directory of the process that runs the flow, "
+                     f"{os.getcwd()}{f', then KVCOMPRESS_HOME={home}' if home else ''}: pass an absolute path)")
+        raise SweepError([f"grid: expected a YAML file or one of {builtin}, got {source!r}{where}"])
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from kvcompress.errors import ConfigError
@@ -38,4 +38,4 @@ def run_shard(shard: Shard, model: str, decode_steps: int | None, sweep_id: str,
 
     Retries cover transient failures (I/O, a killed process); finished runs are skipped on retry.
     """
-    return execute_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s)
+    return execute_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s, log=get_run_logger().info)

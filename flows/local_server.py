@@ -175,5 +175,25 @@ def _check_bind(host: str) -> int:
     return 0
 
 
+def _check_home(api_url: str, home: str) -> int:
+    """`python -m kvcompress_flows.local_server check-home URL PREFECT_HOME`: for scripts/prefect_local.sh, refuse
+    (exit 2, one line) a server answering at URL that keeps its state under another PREFECT_HOME: another
+    checkout's, into which `make demo` would deploy this one's flows (their code would run from that checkout)."""
+    import json
+
+    request = urllib.request.Request(api_url.rstrip("/") + "/admin/settings", headers=auth_headers())
+    try:
+        theirs = json.load(urllib.request.urlopen(request, timeout=30)).get("home")
+    except (OSError, ValueError):
+        return 0  # not readable: Prefect's own errors follow
+    if theirs and Path(theirs).resolve() != Path(home).resolve():
+        print(f"error: the Prefect server at {api_url} is not this checkout's: its PREFECT_HOME is {theirs}, this "
+              f"checkout's {home}; stop it (`make stop` in its checkout) or use another port, e.g. "
+              f"PREFECT_API_URL=http://127.0.0.1:{free_port()}/api make demo", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(_check_bind(sys.argv[2]) if sys.argv[1] == "check-bind" else _watchdog(*sys.argv[1:4]))
+    commands = {"check-bind": lambda: _check_bind(sys.argv[2]), "check-home": lambda: _check_home(*sys.argv[2:4])}
+    sys.exit(commands[sys.argv[1]]() if sys.argv[1] in commands else _watchdog(*sys.argv[1:4]))

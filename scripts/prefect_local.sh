@@ -26,7 +26,10 @@ mkdir -p "$PREFECT_HOME"
 healthy() { python -c "import urllib.request,os,sys; urllib.request.urlopen(os.environ['PREFECT_API_URL']+'/health', timeout=2)" 2>/dev/null; }
 
 server() {
-  if healthy; then echo "prefect server: already up at $PREFECT_API_URL"; return; fi
+  if healthy; then  # ours (its PREFECT_HOME is ours), or refused: another checkout's server would run our deployments
+    python -m kvcompress_flows.local_server check-home "$PREFECT_API_URL" "$PREFECT_HOME" || exit 2
+    echo "prefect server: already up at $PREFECT_API_URL"; return
+  fi
   python -m kvcompress_flows.local_server check-bind "${PREFECT_SERVER_HOST:-127.0.0.1}" || exit 2  # no auth string, no remote bind
   # the dashboard's JavaScript calls the API at PREFECT_UI_API_URL
   PREFECT_UI_API_URL=${PREFECT_UI_API_URL:-$PREFECT_API_URL} \

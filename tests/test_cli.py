@@ -367,3 +367,17 @@ def test_methods_shows_allowed_values_wrapped_to_the_terminal(columns, width):
         assert f"{m['name']}: {m['doc']}" in text  # whole: its first paragraph, up to its full stop
     assert "bits: code width of keys and values (2, 3, 4, 8); key_bits / value_bits override it per side" in text
     assert "pooling: \"max\" (paper) or \"avg\"" in text
+
+
+def test_the_demo_refuses_a_server_of_another_checkout(prefect_server, tmp_path):
+    """Issue 50, item 8: `make demo` (scripts/prefect_local.sh server) deployed into any server answering at
+    PREFECT_API_URL; one that keeps its state under another PREFECT_HOME is another checkout's."""
+    script = ["bash", str(ROOT / "scripts" / "prefect_local.sh"), "server"]
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "VENV": str(Path(sys.executable).parent.parent)}
+    ours = subprocess.run(script, env=env, capture_output=True, text=True, timeout=120)
+    assert ours.returncode == 0 and ours.stdout.strip() == f"prefect server: already up at {prefect_server}", ours.stderr
+    other = tmp_path / "other-checkout" / ".prefect"
+    theirs = subprocess.run(script, env={**env, "PREFECT_HOME": str(other)}, capture_output=True, text=True, timeout=120)
+    assert theirs.returncode == 2, theirs.stdout + theirs.stderr
+    assert theirs.stderr.startswith(f"error: the Prefect server at {prefect_server} is not this checkout's: its "
+                                    f"PREFECT_HOME is {os.environ['PREFECT_HOME']}, this checkout's {other}; stop it")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -26,14 +27,21 @@ SCREEN_WIDTH = 120  # the one-screen report's width (kvcompress_reports.render.S
 @contextlib.contextmanager
 def prefect_api():
     """The configured Prefect server, or a temporary local one that dies with this process
-    (Prefect's own ephemeral server outlives a `kill -9` of its parent)."""
-    if os.environ.get("PREFECT_API_URL"):
-        check_api_auth(os.environ["PREFECT_API_URL"])
-        yield os.environ["PREFECT_API_URL"]
-        return
-    from kvcompress_flows.local_server import LocalServer
+    (Prefect's own ephemeral server outlives a `kill -9` of its parent). A configured server on this
+    machine that does not answer (`make demo` stopped the one it started) also gets a temporary one:
+    nothing else could answer there, and a local sweep needs no particular server."""
+    from kvcompress_flows.local_server import LocalServer, healthy, is_loopback
 
-    print("starting a temporary local Prefect server (set PREFECT_API_URL to use yours)", file=sys.stderr)
+    configured = os.environ.get("PREFECT_API_URL")
+    if configured and not (is_loopback(configured) and not healthy(configured)):
+        check_api_auth(configured)
+        yield configured
+        return
+    if configured:
+        print(f"PREFECT_API_URL={configured} does not answer: starting a temporary local Prefect server",
+              file=sys.stderr)
+    else:
+        print("starting a temporary local Prefect server (set PREFECT_API_URL to use yours)", file=sys.stderr)
     with LocalServer() as api:
         os.environ["PREFECT_API_URL"] = api
         yield api
@@ -302,9 +310,26 @@ def cmd_grid_schema(args) -> int:
     return 0
 
 
+METHODS_WIDTH = 100  # `kvcompress methods` wraps to the terminal, at most this wide
+
+
 def cmd_methods(args) -> int:
+    """Each method: what it is, its parameters with their allowed values (from its docstring) and
+    defaults, wrapped to the terminal."""
+    import shutil
+
+    width = min(shutil.get_terminal_size((METHODS_WIDTH, 24)).columns, METHODS_WIDTH)
+    indent = " " * 4
+    fill = functools.partial(textwrap.fill, width=width, break_on_hyphens=False)  # "output-projected" stays whole
+    print(fill("Every method also takes layers: \"global\" (every global-attention layer) or \"all\"; "
+               "an eviction method takes quantize: a quantizer ({name: kivi, bits: 4}) that stores the "
+               "tokens it keeps.") + "\n")
     for m in list_methods():
-        print(f"{m['name']:<12} {m['doc']}\n{'':<12} params: {json.dumps(m['params'])}")
+        print(fill(f"{m['name']}: {m['doc']}", subsequent_indent=indent))
+        if m["params_doc"]:
+            print(fill(m["params_doc"], initial_indent=indent, subsequent_indent=indent))
+        defaults = ", ".join(f"{k}={json.dumps(v)}" for k, v in m["params"].items())
+        print(fill(f"defaults: {defaults}", initial_indent=indent, subsequent_indent=indent * 2))
     return 0
 
 
@@ -429,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         where = "" if isinstance(exc, StorageError) or not hasattr(args, "results") else f"results {redact(args.results)!r}: "
         print(f"error: {where}{line}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the flow engine's stack
+        print("interrupted: finished runs are kept; the same command resumes the rest", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ process would share both, and MLX does not promise that concurrent threads are s
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 from typing import Callable
 
@@ -42,6 +44,24 @@ def task_runner(dask: str):
                                           "dashboard_address": None})
 
 
+@contextlib.contextmanager
+def errors_only(prefix: str = "distributed"):
+    """Only errors from the cluster's loggers in this process: its INFO lines and its warnings at close
+    ("killing" workers that take over 4 s to exit, as on a busy machine) are not the sweep's story
+    (38 lines for a two-worker sweep). distributed gives its loggers their own levels: each one is set."""
+    import distributed  # noqa: F401  (creates its loggers)
+
+    names = [prefix, *(n for n in list(logging.root.manager.loggerDict) if n.startswith(prefix + "."))]
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
 def run_on_dask(dask: str, shards: tuple[Shard, ...], shard_args: dict, advance: Callable[[str], None],
                 timeout_s: float) -> None:
     """Submit every shard's `run-shard` task to the cluster, then wait for all of them (at most `timeout_s`).
@@ -52,7 +72,7 @@ def run_on_dask(dask: str, shards: tuple[Shard, ...], shard_args: dict, advance:
 
     from kvcompress_tasks.sweep import run_shard  # imports Prefect: not at the top, which the CLI imports
 
-    with task_runner(dask) as runner:
+    with errors_only(), task_runner(dask) as runner:
         threaded = {address: w["nthreads"] for address, w in runner.client.scheduler_info()["workers"].items()
                     if w["nthreads"] != 1}
         if threaded:

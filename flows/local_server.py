@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -66,6 +67,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def is_loopback(api_url: str) -> bool:
+    """Whether `api_url` names a server on this machine's loopback interface."""
+    host = urllib.parse.urlparse(api_url).hostname or ""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
 def healthy(api_url: str, timeout: float = 2.0) -> bool:
     try:
         urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout)
@@ -93,6 +100,19 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) ->
         except (ProcessLookupError, PermissionError):
             pass
         return
+
+
+def drain_prefect_clients(timeout_s: float = 10.0) -> None:
+    """Send what this process's Prefect clients still hold (the API log handler's queue, the events
+    queue) while the server still answers. Left queued, they are sent at interpreter exit to a server
+    that is gone: Prefect retries for over a minute, then prints `--- Error logging to API ---`."""
+    if "prefect" not in sys.modules:  # nothing of Prefect's ran in this process: nothing queued
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):  # logs first: sending them may emit events
+        service.drain_all(timeout=timeout_s)
 
 
 class LocalServer:
@@ -123,6 +143,7 @@ class LocalServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            drain_prefect_clients()
             self.proc.stdin.close()  # the watchdog stops the server and exits
             try:
                 self.proc.wait(timeout=STOP_GRACE_S + 15)
@@ -164,5 +185,25 @@ def _check_bind(host: str) -> int:
     return 0
 
 
+def _check_home(api_url: str, home: str) -> int:
+    """`python -m kvcompress_flows.local_server check-home URL PREFECT_HOME`: for scripts/prefect_local.sh, refuse
+    (exit 2, one line) a server answering at URL that keeps its state under another PREFECT_HOME: another
+    checkout's, into which `make demo` would deploy this one's flows (their code would run from that checkout)."""
+    import json
+
+    request = urllib.request.Request(api_url.rstrip("/") + "/admin/settings", headers=auth_headers())
+    try:
+        theirs = json.load(urllib.request.urlopen(request, timeout=30)).get("home")
+    except (OSError, ValueError):
+        return 0  # not readable: Prefect's own errors follow
+    if theirs and Path(theirs).resolve() != Path(home).resolve():
+        print(f"error: the Prefect server at {api_url} is not this checkout's: its PREFECT_HOME is {theirs}, this "
+              f"checkout's {home}; stop it (`make stop` in its checkout) or use another port, e.g. "
+              f"PREFECT_API_URL=http://127.0.0.1:{free_port()}/api make demo", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(_check_bind(sys.argv[2]) if sys.argv[1] == "check-bind" else _watchdog(*sys.argv[1:4]))
+    commands = {"check-bind": lambda: _check_bind(sys.argv[2]), "check-home": lambda: _check_home(*sys.argv[2:4])}
+    sys.exit(commands[sys.argv[1]]() if sys.argv[1] in commands else _watchdog(*sys.argv[1:4]))

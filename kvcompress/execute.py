@@ -53,10 +53,12 @@ def shard_key(shard: Shard) -> str:
 
 
 def execute_shard(shard: Shard, model_name: str, decode_steps: int | None, sweep_id: str, results: str,
-                  run_timeout_s: float | None = None, lease_wait_s: float = 0.0) -> dict:
+                  run_timeout_s: float | None = None, lease_wait_s: float = 0.0,
+                  log: Callable[[str], None] = lambda line: None) -> dict:
     """Run a shard's unfinished runs under its lease (kvcompress/leases.py); returns counts {"skipped",
     "ran", "failed"}, with "leased_by" (and nothing run) when another process held the lease for
-    `lease_wait_s` seconds: another launch of the same sweep is running this shard."""
+    `lease_wait_s` seconds: another launch of the same sweep is running this shard. `log` gets a line
+    per finished run (a shard of the default grid takes minutes; its runs seconds each)."""
     lease = ShardLease(results, sweep_id, shard_key(shard), stale_s=max(STALE_S, 2 * (run_timeout_s or 0)))
     deadline = time.monotonic() + lease_wait_s
     while not lease.acquire():
@@ -65,13 +67,13 @@ def execute_shard(shard: Shard, model_name: str, decode_steps: int | None, sweep
             return {"skipped": 0, "ran": 0, "failed": 0, "leased_by": owner.describe() if owner else "another process"}
         time.sleep(LEASE_POLL_S)
     try:
-        return _execute_leased(shard, model_name, decode_steps, sweep_id, results, run_timeout_s, lease)
+        return _execute_leased(shard, model_name, decode_steps, sweep_id, results, run_timeout_s, lease, log)
     finally:
         lease.release()
 
 
 def _execute_leased(shard: Shard, model_name: str, decode_steps: int | None, sweep_id: str, results: str,
-                    run_timeout_s: float | None, lease: ShardLease) -> dict:
+                    run_timeout_s: float | None, lease: ShardLease, log: Callable[[str], None]) -> dict:
     model, tokenizer = load_model(model_name)
     first = shard.sample_index
     samples = load_samples(shard.dataset, shard.dataset_params, model_name)[first:first + shard.rows]
@@ -81,6 +83,15 @@ def _execute_leased(shard: Shard, model_name: str, decode_steps: int | None, swe
     window = context_window(model_name)
     beyond_window = bool(window and shard.dataset_params.get("context_tokens", 0) > window)
 
+    to_run: list[str] = []  # run ids, as run_sample asks about them (all before the first run)
+    done: list[str] = []
+
+    def pending(config) -> bool:
+        if run_id(config) in finished:
+            return False
+        to_run.append(run_id(config))
+        return True
+
     def write(record) -> None:
         if beyond_window:  # the grid opted in (allow_beyond_window): every report shows it
             record.run["config_label"] += f" [beyond {window}-token window]"
@@ -88,9 +99,12 @@ def _execute_leased(shard: Shard, model_name: str, decode_steps: int | None, swe
         lease.renew()
         for listener in RUN_LISTENERS:
             listener(record.run["config_label"], record.run["status"])
+        done.append(record.run["status"])
+        log(f"run {len(done)}/{len(to_run)} of {shard.dataset} #{shard.sample_index}: {record.run['config_label']}: "
+            f"{record.run['status']}")
 
     records = run_sample(model, tokenizer, samples, list(shard.methods), context, on_record=write,
-                         protocols=shard.protocols, pending=lambda config: run_id(config) not in finished)
+                         protocols=shard.protocols, pending=pending)
     total = len(samples) * len(shard.methods) * len(shard.protocols)
     for listener in RUN_LISTENERS:
         for _ in range(total - len(records)):

@@ -321,6 +321,36 @@ def refuse_custom_code(directory: Path) -> None:
                               "trust_remote_code), refused; use a model whose architecture mlx-lm ships")
 
 
+def check_model(name_or_path: str, field: str = "model") -> None:
+    """Fail before any work, naming `field`, when `name_or_path` cannot load: it must be the embedded
+    model, an existing path, or a hub id, which offline (HF_HUB_OFFLINE=1) must be in the local cache."""
+    if is_embedded(name_or_path):
+        return
+    name = str(name_or_path)
+    if _canonical(name) == QWEN or name.lower().endswith(".gguf"):
+        try:
+            gguf_source(name)  # the second embedded model, or a GGUF file that must exist
+        except ConfigError as exc:
+            raise ConfigError(f"{field}: {str(exc).removeprefix('name_or_path: ')}") from None
+        return
+    expected = f"expected {EMBEDDED!r} (embedded), an mlx-lm model directory or a Hugging Face hub id"
+    if Path(name).expanduser().exists():
+        return
+    if _looks_like_path(name):
+        raise ConfigError(f"{field}: {expected}, got {name!r} (no such file or directory)")
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as exc:
+        raise ConfigError(f"{field}: {expected}, got {name!r} ({exc})") from None
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise ConfigError(f"{field}: {expected}, got {name!r}: no such directory, and not in the local Hugging "
+                          "Face cache (HF_HUB_OFFLINE=1: nothing is downloaded)")
+
+
 @contextlib.contextmanager
 def _clear_errors(name: str):
     """Turn a hub or file failure inside mlx-lm's loading into a ConfigError naming what was asked for."""

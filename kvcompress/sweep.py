@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
@@ -54,7 +55,7 @@ from . import datasets
 from .errors import ConfigError, shown
 from .methods import method_config
 from .methods.base import Method
-from .model import context_window, gguf_source, refuse_custom_code
+from .model import check_model, context_window, refuse_custom_code
 from .results import validate_sweep_id
 from .runner import PROTOCOLS
 from .shapes import DTYPES, SHAPES, model_classes, shape_config
@@ -250,8 +251,11 @@ class SweepSpec(_Strict):
         except ConfigError as exc:
             errors.append(str(exc))
         try:
+            check_model(self.model)  # names `model:`; a .gguf path must be a file
+        except ConfigError as exc:
+            errors.append(str(exc))
+        try:
             refuse_custom_code(Path(self.model).expanduser())  # before the flow: Prefect never retries it
-            gguf_source(self.model)  # a .gguf path must be a file; other names are the loader's to judge
         except ConfigError as exc:
             errors.append(f"model: {exc}")
         window = self.context_window()
@@ -292,7 +296,7 @@ class SweepSpec(_Strict):
         return _too_big(rows * _cell_count(self.methods) * len(self.protocol), "runs", self.max_runs)
 
     def context_window(self) -> int | None:
-        """The model's context window (None when unknown offline; a bad model name is the loader's error)."""
+        """The model's context window (None when unknown offline or for a bad model name: check_model's error)."""
         try:
             return context_window(self.model)
         except ConfigError:
@@ -406,10 +410,12 @@ class SpeedSpec(_Strict):
                     errors.append(f"model.dtype: expected one of {list(DTYPES)}, got {model.dtype!r}")
                 if model.layers is not None and model.layers < 1:
                     errors.append(f"model.layers: expected an int >= 1 or null, got {model.layers!r}")
+            if model.shape is None:
+                check_model(model.name)
             window = model.context_window()
             if model.shape is not None:
                 model_classes(shape_config(model.shape))  # a model_type mlx-lm does not know
-        except ConfigError as exc:  # an unknown shape; a bad model name is the loader's error
+        except ConfigError as exc:  # an unknown shape or model
             errors.append(str(exc))
         if (self.batch is None) == (self.kv_budget_gib is None):
             errors.append(f"batch, kv_budget_gib: expected exactly one of them (explicit batches, or KV budgets "
@@ -570,18 +576,31 @@ def grid_schema(kind: str = "quality") -> dict[str, Any]:
     return schema
 
 
+def grid_path(source: str) -> Path | None:
+    """The file a grid name or path names: the path (a relative one from this directory, then from
+    KVCOMPRESS_HOME, the checkout a deployment's worker runs), else a built-in grid; None when none exists."""
+    path = Path(source)
+    home = os.environ.get("KVCOMPRESS_HOME")
+    candidates = [path] if path.is_absolute() or not home else [path, Path(home) / path]
+    return next((p for p in [*candidates, GRIDS_DIR / f"{source}.yaml"] if p.is_file()), None)
+
+
 def load_spec(source: str | dict[str, Any] | SweepSpec | SpeedSpec) -> SweepSpec | SpeedSpec:
     """A spec from a parsed spec, a dict, a YAML path, or a built-in grid name (kvcompress/grids/NAME.yaml)."""
     if isinstance(source, (SweepSpec, SpeedSpec)):
         return source
     if isinstance(source, dict):
         return parse_spec(source)
-    path = Path(source)
-    if not path.exists():
-        path = GRIDS_DIR / f"{source}.yaml"
-    if not path.exists():
+    path = grid_path(source)
+    if path is None:
         builtin = sorted(p.stem for p in GRIDS_DIR.glob("*.yaml"))
-        raise SweepError([f"grid: expected a YAML file or one of {builtin}, got {source!r}"])
+        where = ""
+        if not Path(source).is_absolute() and source.endswith((".yaml", ".yml", ".json")):
+            # a deployment's flow runs in the worker's directory, not where `prefect deployment run` was typed
+            home = os.environ.get("KVCOMPRESS_HOME")
+            where = (f" (a relative path is read from the directory of the process that runs the flow, "
+                     f"{os.getcwd()}{f', then KVCOMPRESS_HOME={home}' if home else ''}: pass an absolute path)")
+        raise SweepError([f"grid: expected a YAML file or one of {builtin}, got {source!r}{where}"])
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

@@ -26,7 +26,10 @@ mkdir -p "$PREFECT_HOME"
 healthy() { python -c "import urllib.request,os,sys; urllib.request.urlopen(os.environ['PREFECT_API_URL']+'/health', timeout=2)" 2>/dev/null; }
 
 server() {
-  if healthy; then echo "prefect server: already up at $PREFECT_API_URL"; return; fi
+  if healthy; then  # ours (its PREFECT_HOME is ours), or refused: another checkout's server would run our deployments
+    python -m kvcompress_flows.local_server check-home "$PREFECT_API_URL" "$PREFECT_HOME" || exit 2
+    echo "prefect server: already up at $PREFECT_API_URL"; return
+  fi
   python -m kvcompress_flows.local_server check-bind "${PREFECT_SERVER_HOST:-127.0.0.1}" || exit 2  # no auth string, no remote bind
   # the dashboard's JavaScript calls the API at PREFECT_UI_API_URL
   PREFECT_UI_API_URL=${PREFECT_UI_API_URL:-$PREFECT_API_URL} \
@@ -71,12 +74,13 @@ workers() {  # N shard workers, one shard at a time each (run on any machine tha
   echo "$n shard workers started (logs: $PREFECT_HOME/shard-worker-*.log)"
 }
 
-run() {  # run a deployment to completion; fail unless it completed
+run() {  # run a deployment to completion, its log lines shown as they come; fail, saying why, unless it completed
   local name=$1; shift
-  local out
-  out=$(prefect deployment run "sweep/$name" --watch "$@" 2>&1) || { echo "$out" >&2; exit 1; }
-  echo "$out" | tail -n 3
-  echo "$out" | grep -q "Completed" || { echo "flow run did not complete" >&2; exit 1; }
+  local out id
+  out=$(prefect deployment run "sweep/$name" "$@" 2>&1) || { echo "$out" >&2; exit 1; }
+  id=$(echo "$out" | sed -n 's/.*UUID: *\([0-9a-f-]\{36\}\).*/\1/p' | head -n 1)
+  [ -n "$id" ] || { echo "$out" >&2; echo "no flow run id in the output above" >&2; exit 1; }
+  python -m kvcompress_flows.watch "$id" || exit 1
 }
 
 stop() {  # SIGTERM, then SIGKILL: a Prefect worker's first SIGTERM only starts a drain that can hang

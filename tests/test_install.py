@@ -42,9 +42,31 @@ def installed(tmp_path_factory) -> Path:
     site = next((venv / "lib").glob("python*/site-packages"))
     deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]  # .pth-added ones too
     (site / "deps.pth").write_text("\n".join(deps) + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-                    "--no-deps", "--no-build-isolation", "--no-index", str(source)], check=True, cwd=base)
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                           "--no-deps", "--no-build-isolation", "--no-index", str(source)], cwd=base,
+                           capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (venv / "install.log").write_text(done.stdout + done.stderr)
     return venv
+
+
+def test_the_build_warns_of_nothing(installed):
+    """Issue 50, item 10: setuptools' box "Package would be ignored" (kvcompress.grids, a folder of data
+    files missing from `packages`) printed on every set-up."""
+    log = (installed / "install.log").read_text()
+    assert "****" not in log and "Warning" not in log, log
+
+
+def test_python_started_beside_the_clone_imports_this_checkout(tmp_path):
+    """Issue 50, item 9: in the folder holding the clone (`git clone` names it kvcompress/, here with the
+    results/ a demo leaves), Python found that folder as a namespace package `kvcompress` before the
+    editable install ("cannot import name 'TABLES' from 'kvcompress.results' (unknown location)");
+    scripts/setup.sh puts the editable install's finder first."""
+    (tmp_path / "kvcompress" / "results").mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-c", "from kvcompress.results import TABLES; import kvcompress, "
+                           "kvcompress_reports; print(kvcompress.__file__)"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(ROOT / "kvcompress" / "__init__.py")
 
 
 def run(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:

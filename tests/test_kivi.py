@@ -407,3 +407,14 @@ def test_values_coded_ahead_leave_memory_and_results_as_before(policy, residual)
             _same_state(cache, fill(KiviCache(2, 2, 32, residual, policy), keys[:, :, :t], values[:, :, :t], [t]))
     if policy == "paper":  # codes really were written ahead (the test can fail)
         assert cache.n_values_coded > cache.n_values_quantized
+
+
+def test_the_readme_names_every_kivi_width():
+    """3-bit KIVI is supported and tested (above, and tests/test_kivi_quant.py), so the README says so
+    (it said "KIVI 2/4-bit" while `bits: 3` ran; issue 50, item 10)."""
+    from pathlib import Path
+
+    from kvcompress.kernels.kivi_quant import BITS
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"KIVI {'/'.join(map(str, BITS))}-bit" in readme

@@ -21,6 +21,18 @@ def test_methods_lists_every_registered_method_with_defaults():
     assert listed["streaming"]["params"]["n_sink"] == 4
 
 
+def test_every_method_describes_itself_in_whole_sentences_and_documents_every_parameter():
+    """`kvcompress methods` shows what list_methods gives: a description cut at a line break of its
+    docstring read "QJL: ... (outlier channels sketched apart)," (issue 50, item 10)."""
+    import re
+
+    for m in kvcompress.list_methods():
+        assert m["doc"].endswith("."), m["doc"]
+        text = m["doc"] + " " + m["params_doc"]
+        undocumented = [p for p in m["params"] if p not in ("layers", "quantize") and not re.search(rf"\b{p}\b", text)]
+        assert not undocumented, (m["name"], undocumented)
+
+
 
 def test_methods_is_the_subpackage_and_errors_live_in_one_place():
     import kvcompress.errors

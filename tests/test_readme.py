@@ -64,7 +64,10 @@ def test_readme_example_runs(index, readme_results, monkeypatch, capsys):
     if lang == "python":
         names = {"__name__": "__readme__"}
         exec(compile(code, f"readme-test block {index}", "exec"), names)
-        assert capsys.readouterr().out.strip() or names.get("rows")  # each shows or returns something
+        out = capsys.readouterr().out
+        assert out.strip() or names.get("rows")  # each shows or returns something
+        answers = code.count("in stream_generate(")
+        assert not answers or len(out.strip().splitlines()) == answers, out  # one answer a line
     else:
         from kvcompress_reports import connect
 

@@ -23,6 +23,7 @@ Caches follow mlx-lm's protocol (`offset`, `update_and_fetch`, `state`, `make_ma
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -143,8 +144,9 @@ class Method:
             if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
                 default = f.default_factory()
             params[f.name] = None if default is dataclasses.MISSING else default
-        doc = (cls.__doc__ or "").strip().splitlines()
-        return {"name": cls.name, "doc": doc[0] if doc else "", "params": params}
+        # the docstring's first paragraph says what the method is, the rest its parameters and their values
+        paragraphs = [" ".join(p.split()) for p in inspect.cleandoc(cls.__doc__ or "").split("\n\n")]
+        return {"name": cls.name, "doc": paragraphs[0], "params_doc": " ".join(paragraphs[1:]), "params": params}
 
 
 def label_value(value: Any) -> str:

@@ -18,7 +18,11 @@ from .base import Eviction
 
 @dataclass(frozen=True)
 class Streaming(Eviction):
-    """StreamingLLM: keep `n_sink` first tokens plus a recent window, `budget` tokens in all."""
+    """StreamingLLM: keep `n_sink` first tokens plus a recent window, `budget` tokens in all.
+
+    budget: tokens kept per KV head (int) or a fraction of the prompt (float). n_sink: the first
+    tokens always kept (paper 4).
+    """
 
     name = "streaming"
     budget: int | float = 0.5

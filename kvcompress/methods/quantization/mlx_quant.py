@@ -21,7 +21,10 @@ from ..base import Method
 
 @dataclass(frozen=True)
 class MlxQuant(Method):
-    """mlx-lm `QuantizedKVCache`: per-token affine quantization of keys and values."""
+    """mlx-lm `QuantizedKVCache`: per-token affine quantization of keys and values.
+
+    bits: code width (2, 3, 4, 5, 6, 8). group_size: channels per quantization group (32, 64, 128).
+    """
 
     name = "mlx-quant"
     store_refusal = ("its cache is mlx-lm's own QuantizedKVCache, which has none of what a composed cache calls "

@@ -189,7 +189,10 @@ def sequence_footprint(model, make: Callable[[], list], T: int, chunk: int = PRE
     prefill's activations (the chunk's logits, MLP) do not grow with T, its KV and any scores over the
     keys grow linearly, so two lengths past a chunk give both parts without a T-token prefill."""
     lengths = sorted({min(T, chunk + 1), min(T, 2 * chunk + 1)})
-    measured = [_prefill_footprint(model, make, L) for L in lengths]
+    try:
+        measured = [_prefill_footprint(model, make, L) for L in lengths]
+    except ConfigError:  # a budget with no room at the short lengths (protected tokens): measured at T
+        return _prefill_footprint(model, make, T)
     if len(measured) == 1:
         return measured[0]
     (L1, (peak1, kv1)), (L2, (peak2, kv2)) = zip(lengths, measured)

@@ -204,6 +204,11 @@ def test_a_group_that_cannot_fit_the_device_is_refused_before_any_measurement(tm
     assert kv == FULL_BYTES_PER_SEQUENCE and peak >= kv
     # past two chunks, measured at 65 and 129 tokens and extended on the line: the KV is linear in T
     assert speed.sequence_footprint(model, make, 1024, chunk=64)[1] == 4 * FULL_BYTES_PER_SEQUENCE
+    # a budget with no room at the short lengths (32 tokens of 65, 40 sinks) is measured at T itself
+    from kvcompress.methods.registry import method_config
+    sinks = method_config("streaming", budget=0.5, n_sink=40)
+    assert speed.sequence_footprint(model, lambda: sinks.make_cache(model), 512, chunk=64)[1] == (
+        speed.sequence_footprint(model, lambda: sinks.make_cache(model), 512)[1])
 
     weights = speed.weight_bytes(model)
     limit = weights + 4 * (peak + FULL_BYTES_PER_SEQUENCE)  # batch 1 fits, batch 8 does not

@@ -113,8 +113,9 @@ def _execute_leased(shard: Shard, model_name: str, decode_steps: int | None, swe
 
 
 def check_speed_plan(plan: SpeedPlan) -> None:
-    """Before any measurement: the model loads and every cache that will run more than one sequence
-    runs a batch of two (ConfigError naming each that does not)."""
+    """Before any measurement: the model loads, every cache that will run more than one sequence
+    runs a batch of two, and every group's estimated peak fits the device's memory (SweepError
+    naming each failure)."""
     model = plan.model.load()
     batched = any(g.batch is None or g.batch > 1 for g in plan.groups)
     errors = []
@@ -126,6 +127,37 @@ def check_speed_plan(plan: SpeedPlan) -> None:
             errors.append(str(exc))
     if errors:
         raise SweepError(errors)
+    errors = check_speed_memory(plan, model)
+    if errors:
+        raise SweepError(errors)
+
+
+def check_speed_memory(plan: SpeedPlan, model) -> list[str]:
+    """Each group's peak, estimated from one sequence of each cache (speed.sequence_footprint) at the
+    batch it will run, against the device's memory: a group that cannot fit is refused with the
+    numbers, so a grid never dies mid-group. Refused rather than run at a smaller batch: a budget's
+    batch is what its row means, and a lower one would mix memory with the budget in x full."""
+    available = plan.device_memory_bytes or speed.device_memory_bytes()
+    weights = speed.weight_bytes(model)
+    footprints = {(m, T): speed.sequence_footprint(model, lambda m=m: m.make_cache(model), T)
+                  for T in sorted({g.context_tokens for g in plan.groups}) for m in plan.methods}
+    errors = []
+    for group in plan.groups:
+        caches = []
+        for method in plan.methods:
+            prefill_peak, kv = footprints[method, group.context_tokens]
+            batch = group.batch if group.kv_budget_bytes is None else max(
+                1, speed.fit_batch(kv, group.kv_budget_bytes, plan.max_batch))
+            caches.append((batch, prefill_peak, kv))
+        peak, at, held = speed.group_peak_bytes(weights, caches, plan.prefill_rounds)
+        if peak > available:
+            batch, prefill_peak, _ = caches[at]
+            errors.append(f"{group.describe()}: needs about {peak} bytes ({peak / 2**30:.2f} GiB) at "
+                          f"{plan.methods[at].label()}'s prefill at batch {batch} ({weights} of weights + {held} of "
+                          f"KV of the caches held beside it + {batch} x {prefill_peak} a sequence), more than the "
+                          f"{available} bytes ({available / 2**30:.2f} GiB) of device memory; lower the batch, "
+                          f"kv_budget_gib or max_batch, or measure fewer caches together")
+    return errors
 
 
 def execute_speed_group(plan: SpeedPlan, group: SpeedGroup, sweep_id: str, results: str,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -179,6 +180,67 @@ def bytes_per_sequence(model, make: Callable[[], list], T: int) -> int:
     gc.collect()
     mx.clear_cache()
     return held
+
+
+def sequence_footprint(model, make: Callable[[], list], T: int, chunk: int = PREFILL_CHUNK) -> tuple[int, int]:
+    """(bytes one T-token sequence's prefill peaks at above what was resident, KV bytes it holds after),
+    for the memory check before a speed sweep. Measured at T itself up to one chunk and a token; beyond,
+    at one and two chunks (and a token) and extrapolated to T on the line through them: a chunked
+    prefill's activations (the chunk's logits, MLP) do not grow with T, its KV and any scores over the
+    keys grow linearly, so two lengths past a chunk give both parts without a T-token prefill."""
+    lengths = sorted({min(T, chunk + 1), min(T, 2 * chunk + 1)})
+    try:
+        measured = [_prefill_footprint(model, make, L) for L in lengths]
+    except ConfigError:  # a budget with no room at the short lengths (protected tokens): measured at T
+        return _prefill_footprint(model, make, T)
+    if len(measured) == 1:
+        return measured[0]
+    (L1, (peak1, kv1)), (L2, (peak2, kv2)) = zip(lengths, measured)
+    # a slope below zero (a fixed-size cache, allocator noise) is taken as flat
+    extend = lambda at1, at2: at2 + max(0, at2 - at1) * (T - L2) // (L2 - L1)  # noqa: E731
+    return extend(peak1, peak2), extend(kv1, kv2)
+
+
+def _prefill_footprint(model, make: Callable[[], list], T: int) -> tuple[int, int]:
+    attention.install()
+    caches = make()
+    prompt = prompts(model, 1, T)
+    mx.eval(prompt)
+    mx.synchronize()
+    resident = mx.get_active_memory()
+    mx.reset_peak_memory()
+    prefill(model, caches, prompt)
+    peak = mx.get_peak_memory() - resident
+    held = live_kv_bytes(caches)
+    del caches
+    gc.collect()
+    mx.clear_cache()
+    return peak, held
+
+
+def group_peak_bytes(weights: int, caches: list[tuple[int, int, int]],
+                     prefill_rounds: int = 1) -> tuple[int, int, int]:
+    """(estimated peak bytes of a group, the index of the cache whose prefill reaches it, the KV bytes
+    resident beside that prefill) from (batch, prefill peak a sequence, KV bytes a sequence) of each
+    cache in the order they are prepared: every prepared cache stays resident for the rounds
+    (execute_speed_group), so cache i is prefilled beside the KV of the caches before it, and in a
+    later prefill round (`prefill_again`) beside all of them."""
+    resident = [sum(b * kv for b, _, kv in caches[:i]) for i in range(len(caches))]
+    if prefill_rounds > 1:
+        resident = [sum(b * kv for b, _, kv in caches)] * len(caches)
+    need = [weights + resident[i] + batch * prefill_peak for i, (batch, prefill_peak, _) in enumerate(caches)]
+    at = max(range(len(caches)), key=need.__getitem__)
+    return need[at], at, resident[at]
+
+
+def device_memory_bytes() -> int:
+    """The memory the default device can hold: Metal's recommended working set, CUDA's total memory,
+    on the CPU the machine's RAM."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def fit_batch(per_sequence: int, budget_bytes: int, max_batch: int | None = None) -> int:

@@ -336,6 +336,7 @@ class SpeedPlan:
     max_batch: int | None
     methods: tuple[Method, ...]
     groups: tuple[SpeedGroup, ...]
+    device_memory_bytes: int | None = None  # what each group's peak is checked against; None: the device's
 
     @property
     def runs(self) -> int:
@@ -368,6 +369,8 @@ class SpeedSpec(_Strict):
     rounds: int = Field(default=3, description="rounds in which every cache takes its turn")
     warmup: int = Field(default=4, description="untimed decode steps after the prefill")
     prefill_rounds: int = Field(default=1, description="timed prefills per cache, taking turns")
+    device_memory_gib: float | None = Field(
+        default=None, description="memory each group's estimated peak must fit; null: the device's (CPU: RAM)")
     allow_beyond_window: bool = Field(default=False, description="run contexts longer than the model's window")
     max_runs: int = Field(default=MAX_RUNS, description="refuse a grid of more measurements before expanding it "
                           "(also: --max-runs)")
@@ -385,7 +388,8 @@ class SpeedSpec(_Strict):
         else:
             groups = [SpeedGroup(t, None, round(g * 2**30)) for t in self.context_tokens for g in self.kv_budget_gib]
         return SpeedPlan(self.name, model, self.steps, self.rounds, self.warmup, self.prefill_rounds, self.max_batch,
-                         configs, tuple(groups))
+                         configs, tuple(groups),
+                         None if self.device_memory_gib is None else round(self.device_memory_gib * 2**30))
 
     def speed_model(self) -> SpeedModel:
         if isinstance(self.model, RandomModel):
@@ -425,6 +429,8 @@ class SpeedSpec(_Strict):
                 errors.append(f"{key}: expected a non-empty list of ints >= 1, got {list(values)!r}")
         if self.kv_budget_gib is not None and (not self.kv_budget_gib or any(g <= 0 for g in self.kv_budget_gib)):
             errors.append(f"kv_budget_gib: expected a non-empty list of GiB > 0, got {list(self.kv_budget_gib)!r}")
+        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
+            errors.append(f"device_memory_gib: expected GiB > 0 or null, got {self.device_memory_gib!r}")
         for key, low in (("steps", 1), ("rounds", 1), ("warmup", 0), ("prefill_rounds", 1), ("max_batch", 1)):
             value = getattr(self, key)
             if value is not None and value < low:

@@ -181,3 +181,47 @@ def test_the_speed_deployments_and_built_in_grids():
     assert h200.model.identity()["config"]["hidden_size"] == 4096 and h200.model.resolved_dtype() == "float16"
     assert [(g.context_tokens, g.kv_budget_bytes) for g in h200.groups] == [(32768, 16 * 2**30), (131072, 16 * 2**30)]
     assert {m.label() for m in h200.methods} >= {"full", "kivi bits=2", "kivi bits=4", "snapkv budget=0.5"}
+
+
+def test_a_group_that_cannot_fit_the_device_is_refused_before_any_measurement(tmp_path):
+    """check_speed_plan estimates each group's peak (weights + the KV of the caches held beside a
+    cache's prefill + its batch x one sequence's measured prefill peak) and refuses the groups over
+    `device_memory_gib` with the numbers; a grid whose groups fit runs."""
+    from mlx_lm.models.cache import KVCache
+
+    from kvcompress import speed
+    from kvcompress.execute import check_speed_plan, execute_speed_group
+    from kvcompress.shapes import random_model
+
+    # the peak of a group: cache 1 is prefilled beside cache 0's KV; a second prefill round beside all
+    assert speed.group_peak_bytes(100, [(2, 50, 10), (3, 40, 5)]) == (100 + 2 * 10 + 3 * 40, 1, 20)
+    assert speed.group_peak_bytes(100, [(2, 50, 10), (3, 40, 5)], prefill_rounds=2) == (100 + 35 + 3 * 40, 1, 35)
+    assert speed.device_memory_bytes() > 2**30  # the machine's RAM on the CPU
+
+    model = random_model("tiny-llama", "float32", layers=2)
+    make = lambda: [KVCache() for _ in model.layers]  # noqa: E731
+    peak, kv = speed.sequence_footprint(model, make, 256)
+    assert kv == FULL_BYTES_PER_SEQUENCE and peak >= kv
+    # past two chunks, measured at 65 and 129 tokens and extended on the line: the KV is linear in T
+    assert speed.sequence_footprint(model, make, 1024, chunk=64)[1] == 4 * FULL_BYTES_PER_SEQUENCE
+    # a budget with no room at the short lengths (32 tokens of 65, 40 sinks) is measured at T itself
+    from kvcompress.methods.registry import method_config
+    sinks = method_config("streaming", budget=0.5, n_sink=40)
+    assert speed.sequence_footprint(model, lambda: sinks.make_cache(model), 512, chunk=64)[1] == (
+        speed.sequence_footprint(model, lambda: sinks.make_cache(model), 512)[1])
+
+    weights = speed.weight_bytes(model)
+    limit = weights + 4 * (peak + FULL_BYTES_PER_SEQUENCE)  # batch 1 fits, batch 8 does not
+    grid = {**GRID, "batch": [1, 8], "device_memory_gib": limit / 2**30}
+    with pytest.raises(SweepError) as caught:
+        check_speed_plan(parse_spec(grid).plan())
+    message = str(caught.value)
+    assert "256 tokens, batch 8: needs about" in message and "batch 1:" not in message
+    assert f"more than the {parse_spec(grid).plan().device_memory_bytes} bytes" in message and "at batch 8 (" in message
+    assert "device_memory_gib: expected GiB > 0 or null, got 0.0" in errors_of({**grid, "device_memory_gib": 0})
+
+    plan = parse_spec({**grid, "batch": [1]}).plan()
+    check_speed_plan(plan)
+    assert execute_speed_group(plan, plan.groups[0], "fits", str(tmp_path)) == {"skipped": 0, "ran": 2, "failed": 0}
+    measured = {r["method"]: r["peak_memory_bytes"] for r in speed_rows(tmp_path)}
+    assert measured["full"] == approx(weights + peak, rel=0.25)  # the estimate is what a run peaks at

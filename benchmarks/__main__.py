@@ -1,4 +1,6 @@
-"""The benchmark suites: `python -m benchmarks SUITE [SUITE ...] [--gpu] [--quick]`.
+"""The benchmark suites: `python -m benchmarks SUITE [SUITE ...] [--gpu] [--quick]`; and
+`python -m benchmarks tables [--check]`: every published table, written from the stored results
+(benchmarks/tables.py).
 
 Each suite runs the scripts behind the documented tables, each in a process of its own (one
 benchmark's JIT, allocator or buffer-cache state must not time the next; docs/learned.md, "How to
@@ -107,6 +109,12 @@ def command(step: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tables"]:  # the published tables, from the stored results (benchmarks/tables.py)
+        sys.path.insert(0, str(HERE))
+        import tables
+
+        return tables.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suites", nargs="+", choices=list(SUITES), metavar="SUITE",

@@ -131,8 +131,8 @@ def in_place_write():
 def full_cache_step():
     import mlx.nn as nn
 
-    from kvcompress.methods.eviction import EvictionCache
-    from kvcompress.methods.keyformer import Keyformer
+    from kvcompress.methods.eviction.base import EvictionCache
+    from kvcompress.methods.eviction.keyformer import Keyformer
 
     H, rep, D = 32, 4, 128
     for n_kept in (2048, 8192, 32768):

@@ -3,7 +3,7 @@
 Drop-in path: `kvcompress.make_cache`, mlx-lm's `generate_step` (prefill chunks of 2048, the last
 token alone, then decode). Per method: prefill seconds, MLX peak memory above the weights during
 prefill, KV bytes held after it, and the first decoded tokens. Prompt: the embedded essays.
-Accumulating methods (h2o, keyformer) score the prompt in tiles (methods/prompt_scores.py): their
+Accumulating methods (h2o, keyformer) score the prompt in tiles (methods/eviction/scoring/prompt_scores.py): their
 peak stays near the full cache's instead of growing with the square of the prompt.
 
     .venv/bin/python benchmarks/eviction_cpu_8k.py [tokens] [method ...]   (default 8000 full h2o snapkv)

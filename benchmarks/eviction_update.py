@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kvcompress.methods import REGISTRY, method_config
-from kvcompress.methods.eviction import Eviction, EvictionCache
+from kvcompress.methods.eviction.base import Eviction, EvictionCache
 from timing import interleaved_median_ms  # benchmarks/timing.py (this script's folder)
 
 REP, D = 3, 64

@@ -18,6 +18,16 @@ logs=$results-logs  # worker logs travel in the same archive ($OUT takes at most
 end=$(( $(date +%s) + seconds ))
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 mkdir -p "$results" "$logs" "${OUT:-/tmp/out}"
+# what the published tables cite beside the numbers (benchmarks/leaderboard.py reads it): the commit is
+# passed in (KV_COMMIT), the device has no git history
+python3 - "$results/manifest.json" "$workers" <<'PY'
+import datetime, json, os, subprocess, sys
+import mlx.core as mx
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout
+json.dump({"commit": os.environ.get("KV_COMMIT", "unknown"), "date": datetime.date.today().isoformat(),
+           "device": gpu.strip() or str(mx.default_device()), "mlx": mx.__version__, "workers": int(sys.argv[2])},
+          open(sys.argv[1], "w"))
+PY
 for ((i = 0; i < workers; i++)); do
   (
     for grid in "$@"; do

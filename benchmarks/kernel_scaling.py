@@ -26,7 +26,7 @@ from kvcompress.kernels import kivi_attention  # noqa: E402  (kvcompress first: 
 import mlx.core as mx  # noqa: E402
 
 from kvcompress.kernels.kivi_quant import quantize_pack_kernel  # noqa: E402
-from kvcompress.methods.kivi import KiviCache  # noqa: E402
+from kvcompress.methods.quantization.kivi import KiviCache  # noqa: E402
 from timing import chained, median_eval_ms  # noqa: E402
 
 

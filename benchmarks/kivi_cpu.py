@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
 from kvcompress.memory import layer_live_kv_bytes  # noqa: E402
 from kvcompress.model import model_info  # noqa: E402
-from kvcompress.methods.kivi import KiviCache  # noqa: E402
+from kvcompress.methods.quantization.kivi import KiviCache  # noqa: E402
 
 CACHES = {
     "full": lambda: KVCache(),

@@ -37,8 +37,9 @@ def _config(label: str) -> str:
     return label.replace(" protocol=query_agnostic", "")
 
 
-def pivot(con) -> None:
-    """Compact tables: rows = configs, columns = tasks."""
+def pivot(con) -> str:
+    """Compact tables: rows = configs, columns = tasks (markdown; benchmarks/tables.py publishes them)."""
+    lines = []
     columns, rows = run_report(con, "paired")
     paired = [dict(zip(columns, r)) for r in rows]
     columns, rows = run_report(con, "evidence")
@@ -51,9 +52,9 @@ def pivot(con) -> None:
         tasks = sorted({r["task"] for r in cells})
         configs = sorted({_config(r["config_label"]) for r in cells}, key=lambda c: (c != "full", c))
         ns = {t: sorted({r["n"] for r in cells if r["task"] == t}) for t in tasks}
-        print(f"\n### {sweep}: {protocol}, {context} tokens: score, paired difference vs full [95% CI], verdict\n")
-        print("| config | " + " | ".join(f"{t} (n={'/'.join(map(str, ns[t]))})" for t in tasks) + " | evidence kept (mean over tasks) |")
-        print("|---" * (len(tasks) + 2) + "|")
+        lines.append(f"\n### {sweep}: {protocol}, {context} tokens: score, paired difference vs full [95% CI], verdict\n")
+        lines.append("| config | " + " | ".join(f"{t} (n={'/'.join(map(str, ns[t]))})" for t in tasks) + " | evidence kept (mean over tasks) |")
+        lines.append("|---" * (len(tasks) + 2) + "|")
         for config in configs:
             row = []
             kept = []
@@ -72,11 +73,12 @@ def pivot(con) -> None:
                 if e and e["evidence_kept_mean"] is not None:
                     kept.append(e["evidence_kept_mean"])
             row.append(f"{sum(kept) / len(kept):.2f}" if kept else "-")
-            print(f"| {config} | " + " | ".join(row) + " |")
+            lines.append(f"| {config} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
-def protocols(con) -> None:
-    """Query-aware vs query-agnostic, paired on the sample: same config, task, context and sample id."""
+def protocols(con) -> str:
+    """Query-aware vs query-agnostic, paired on the sample: same config, task, context and sample id (markdown)."""
     from kvcompress.stats import compare
 
     rows = con.execute("""
@@ -87,18 +89,21 @@ def protocols(con) -> None:
     cells: dict = {}
     for sweep, task, context, config, sample, protocol, score in rows:
         cells.setdefault((sweep, task, context, config), {}).setdefault(sample, {})[protocol] = score
-    print("| sweep | task | context | config | n | aware | agnostic | aware - agnostic [95% CI] | McNemar p | verdict |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    lines = ["| sweep | task | context | config | n | aware | agnostic | aware - agnostic [95% CI] | McNemar p | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (sweep, task, context, config), samples in sorted(cells.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        both = [(v["query_aware"], v["query_agnostic"]) for v in samples.values() if len(v) == 2]
+        # in sample order: the bootstrap resamples positions, so the same pairs in another order (DuckDB
+        # returns a GROUP BY in no set order) would give another interval
+        both = [(v["query_aware"], v["query_agnostic"]) for _, v in sorted(samples.items()) if len(v) == 2]
         if not both:
             continue
         aware, agnostic = [a for a, _ in both], [b for _, b in both]
         r = compare(aware, agnostic)
         p = "-" if r.mcnemar_p is None else f"{r.mcnemar_p:.3g}"
         verdict = {"better": "aware better", "worse": "agnostic better"}.get(r.verdict, r.verdict)
-        print(f"| {sweep} | {task} | {context} | {config} | {r.n} | {sum(aware) / r.n:.2f} | {sum(agnostic) / r.n:.2f} | "
-              f"{r.diff_mean:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}] | {p} | {verdict} |")
+        lines.append(f"| {sweep} | {task} | {context} | {config} | {r.n} | {sum(aware) / r.n:.2f} | {sum(agnostic) / r.n:.2f} | "
+                     f"{r.diff_mean:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}] | {p} | {verdict} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -111,9 +116,9 @@ def main() -> None:
     con = connect(args.results, args.baseline)
     if args.pivot or args.protocols:
         if args.pivot:
-            pivot(con)
+            print(pivot(con))
         if args.protocols:
-            protocols(con)
+            print(protocols(con))
         return
     print("## Scores (Wilson 95% CI)\n")
     print(table(con, "summary", SUMMARY))

@@ -27,7 +27,7 @@ import mlx.core as mx  # noqa: E402
 
 from kvcompress.kernels import scored_attention as kernel  # noqa: E402
 from kvcompress.kernels.evict import evict_slot_fused  # noqa: E402
-from kvcompress.methods.prompt_scores import folded_logits  # noqa: E402
+from kvcompress.methods.eviction.scoring.prompt_scores import folded_logits  # noqa: E402
 
 
 def main():

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvcompress.kernels import dispatch  # noqa: E402  (kvcompress first: it picks the CPU BLAS)
 import mlx.core as mx  # noqa: E402
 
-from kvcompress.methods.turboquant import TurboQuantCache  # noqa: E402
+from kvcompress.methods.quantization.turboquant import TurboQuantCache  # noqa: E402
 from timing import chained, median_eval_ms  # noqa: E402
 
 KV_HEADS, QUERY_HEADS, D = 8, 32, 128

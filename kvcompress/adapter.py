@@ -15,7 +15,15 @@ some layers are not global attention at all: sliding windows (Gemma 3, GPT-OSS),
    through `scaled_dot_product_attention` with exactly the keys and values the cache returned and
    a plain causal mask. A layer where it does not (Gemma 2's soft-capping, Phi-2's own attention,
    MLA's latent keys and RoPE term in the mask) cannot be served by a cache that attends itself or
-   drops tokens: `refusal` says why.
+   drops tokens: `refusal` says why. The probe also watches every attention call the hook sees, with
+   or without a cache, for keys and values read outside the layer's own attention call: another
+   call attending on what a layer's cache returned (Gemma 4's KV-shared layers attend with
+   `cache=None` on an earlier layer's keys; IQuest Loop Coder's second loop on the first loop's),
+   the model reading a cache's keys itself (AFM 7's `cache[-1].keys_and_values()`), or a call with
+   `cache=None` on keys no layer's cache returned. A cache that packs or drops tokens would hand
+   such a reader codes it cannot read, or a token set chosen for another layer's queries, without
+   the reader's own masking: those layers are refused (every layer, where the reader's source is
+   unknown), and only the model's own cache (`full`) serves the model.
 3. RoPE: the `rope` module of the layer's block (only compact positions need it).
 4. The output projection (CriticalKV needs W_o): the linear module of the layer's block whose input,
    in the probe, is exactly the attention's output with the heads side by side, [B, L, H_q * D_v].
@@ -29,6 +37,7 @@ others; `make_cache` refuses (ConfigError, before any prefill) where it cannot b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -161,10 +170,30 @@ class _Recorder:
     def setup_probe(self):
         self.fetched = None  # what the last update_and_fetch returned
         self.calls = []  # one dict per attention call
+        self.read_elsewhere = []  # how the model read this layer's keys outside its own attention call
+        self.updating = False
+        self.handed = []  # keys keys_and_values() gave the model
 
     def update_and_fetch(self, keys, values):
-        self.fetched = super().update_and_fetch(keys, values)
+        self.updating = True  # mlx-lm's caches call keys_and_values themselves here
+        try:
+            self.fetched = super().update_and_fetch(keys, values)
+        finally:
+            self.updating = False
         return self.fetched
+
+    def keys_and_values(self):
+        # no kvcompress cache has it: a model that calls it reads the keys outside attention (AFM 7)
+        held = super().keys_and_values()
+        if not self.updating:
+            self.read_elsewhere.append("the model reads them with the cache's keys_and_values(), as AFM 7's "
+                                       "KV-reuse layers do")
+            self.handed.append(held[0])  # so the calls that attend on them are this layer's readers
+        return held
+
+    def returned(self, keys) -> bool:
+        """Whether `keys` is what this cache gave the model (update_and_fetch, keys_and_values)."""
+        return (self.fetched is not None and keys is self.fetched[0]) or any(keys is k for k in self.handed)
 
     def attention(self, queries, keys, values, scale, mask, sinks=None):
         offset, L = self.offset - queries.shape[2], queries.shape[2]
@@ -227,9 +256,12 @@ def _probe(model) -> ModelLayout:
     # and each block's linear modules, for the one that takes the attention output (docstring, 4)
     linears = [_InputSpy.watch(b) for b in blocks] if spies is not None else None
     error = None
+    recorders = [p for p in probes if isinstance(p, _Recorder)]
+    unowned = []  # attention calls without a layer's cache on keys no layer's cache returned
     try:
-        logits = model(mx.zeros((1, PROBE_TOKENS), mx.int32), cache=probes)
-        logits = model(mx.zeros((1, 1), mx.int32), cache=probes)
+        with attention.routed_through(partial(_watch, recorders, unowned)):
+            logits = model(mx.zeros((1, PROBE_TOKENS), mx.int32), cache=probes)
+            logits = model(mx.zeros((1, 1), mx.int32), cache=probes)
         mx.eval(logits)
     except Exception as exc:  # noqa: BLE001 (any failure is a refusal, said with the model's own error)
         error = f"the probe forward pass failed ({type(exc).__name__}: {exc})"
@@ -254,6 +286,11 @@ def _probe(model) -> ModelLayout:
         elif refusal is None and kind == "global" and not all(c["causal"] for c in calls):
             refusal = ("its attention mask is not a plain causal mask (e.g. MLA's RoPE term added to "
                        "it), which a cache that drops or packs tokens cannot honour")
+        elif refusal is None and (cache.read_elsewhere or unowned):
+            how = cache.read_elsewhere[0] if cache.read_elsewhere else unowned[0]
+            refusal = (f"its cached keys and values are read outside its own attention call ({how}): KV "
+                       f"sharing across layers, which a cache that packs or drops tokens cannot serve (the "
+                       f"reader would get codes, or tokens chosen for this layer's queries); only 'full' runs here")
         first = calls[0] if calls else None
         layers.append(AttentionLayer(
             index=i, kind=kind, window=getattr(native[i], "max_size", None) if kind == "sliding" else None,
@@ -270,6 +307,22 @@ def _probe(model) -> ModelLayout:
     dtype = next((c.fetched[0].dtype for c in probes if getattr(c, "fetched", None) is not None), mx.float32)
     return ModelLayout(type(model).__module__.rsplit(".", 1)[-1] + "." + type(model).__name__,
                        kinds, tuple(layers), dtype)
+
+
+def _watch(recorders: list, unowned: list, queries, keys, values, cache, scale, mask, sinks=None):
+    """The probe's view of one attention call, then the call itself (through the hook): whose cache
+    returned `keys` (`_Recorder.returned`); a call by another layer's cache or by none is noted on
+    that layer (`read_elsewhere`), a call by none on keys no cache returned in `unowned`."""
+    owner = next((r for r in recorders if r.returned(keys)), None)
+    if owner is not None and cache is not owner:
+        by = "an attention call with cache=None" if cache is None else "another layer's attention call"
+        owner.read_elsewhere.append(f"{by} attends on them, as Gemma 4's KV-shared layers and IQuest Loop "
+                                    f"Coder's second loop do")
+    elif owner is None and cache is None:
+        unowned.append("an attention call with cache=None attends on keys no layer's cache returned, so any "
+                       "layer's may be among them")
+    return attention.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                                                  sinks=sinks)
 
 
 def trial_error(model, key: str, make_caches) -> str | None:
@@ -365,3 +418,25 @@ def _output_projection(call: dict, spies: list[_InputSpy]) -> OutputProjection |
 def positional_rope(rope) -> bool:
     """Whether `rope` rotates by position alone (see POSITIONAL_ROPES)."""
     return rope is not None and type(rope).__name__ in POSITIONAL_ROPES
+
+
+def rope_rotations(rope, head_dim: int, count: int, start: int = 0) -> tuple[mx.array, mx.array]:
+    """cos, sin [count, dims/2] of the model's own RoPE at positions start..start+count-1.
+
+    Read off the module by rotating a probe vector (1 in the first element of every pair), so the
+    base, any frequency scaling and the pair layout are the model's, not assumptions. Scaled RoPEs
+    (SuScaledRoPE, YaRN) also multiply the rotated part by a constant: the pairs are divided by
+    their length, leaving the rotation alone (keys carry that factor once already).
+    """
+    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None) or head_dim  # SuScaledRoPE: `dim`
+    traditional = getattr(rope, "traditional", False)
+    first = mx.arange(head_dim)
+    first = ((first % 2 == 0) & (first < dims)) if traditional else (first < dims // 2)
+    probe = mx.zeros((1, 1, count, head_dim), mx.float32) + first.astype(mx.float32)
+    out = (rope(probe, offset=start) if start else rope(probe))[0, 0]
+    if traditional:
+        cos, sin = out[:, 0:dims:2], out[:, 1:dims:2]
+    else:
+        cos, sin = out[:, : dims // 2], out[:, dims // 2 : dims]
+    length = mx.sqrt(cos * cos + sin * sin)
+    return cos / length, sin / length

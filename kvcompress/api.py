@@ -40,26 +40,34 @@ def load_prompt_cache(path: str, model=None, return_metadata: bool = False):
 
     mlx-lm restores caches by class name from `mlx_lm.models.cache` only; importing
     `kvcompress.methods` registers kvcompress's cache classes there, so mlx-lm's own loader works
-    after `import kvcompress`. A RoPE module cannot be saved: given `model`, eviction caches get
-    their layer's back (compact-position caches need it for a multi-token call after loading).
+    after `import kvcompress`. A saved cache decodes exactly as the original would have, from any
+    point (mid-prompt, a compression pending, mid-answer). Modules cannot be saved: given `model`,
+    each cache gets its layer's back (the RoPE: compact positions, KVQuant and a pending Expected
+    Attention compression need it; the output projection: CriticalKV's, KVzip+'s); a cache loaded
+    without it raises where it needs one.
     """
     from mlx_lm.models.cache import load_prompt_cache as mlx_load
+
+    from .methods import CompressedCache
 
     cache, metadata = mlx_load(path, return_metadata=True)
     if model is not None:
         from .adapter import model_layout
 
         for layer in model_layout(model).attention:
-            if hasattr(cache[layer.index], "rope"):
-                cache[layer.index].rope = layer.rope
+            if isinstance(cache[layer.index], CompressedCache):
+                cache[layer.index].attach(layer)
     return (cache, metadata) if return_metadata else cache
 
 
-def load_model(name_or_path: str = "smollm2-135m"):
-    """(model, tokenizer). "smollm2-135m" is the embedded model; anything else goes to mlx_lm.load."""
+def load_model(name_or_path: str = "smollm2-135m", dtype=None, bits: int | None = None):
+    """(model, tokenizer). "smollm2-135m" and "qwen2.5-coder-1.5b" are the embedded models; a path
+    ending in .gguf is any GGUF file (converted once, cached); anything else goes to mlx_lm.load.
+    `dtype`: float32, float16 or bfloat16 (default: float16 on a GPU, float32 on a CPU); `bits`: a
+    GGUF model re-quantized by MLX (2-8 bits) instead of dense weights (kvcompress/model.py)."""
     from .model import load_model as _load
 
-    return _load(name_or_path)
+    return _load(name_or_path, dtype, bits)
 
 
 def load_dataset(name: str, **params: Any):

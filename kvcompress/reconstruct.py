@@ -1,6 +1,6 @@
 """KVzip's reconstruction pass: the model re-reads the held prompt behind a "repeat the context"
 request, chunk by chunk, over the full (not yet compressed) cache; the caches score their keys
-from the passing queries, then select (kvcompress/methods/kvzip.py).
+from the passing queries, then select (kvcompress/methods/eviction/kvzip.py).
 
 `reconstruct` is the pass over caches that hold a prefilled prompt and have not selected yet
 (the runner's `compress_kv` gets them so from `from_prefill`); `compress_prompt` is the drop-in
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .methods.eviction import EvictionCache
+from .methods.eviction.base import EvictionCache
 
 PREFILL_CHUNK = 2048  # as the runner's prefill and mlx-lm's generate
 

@@ -31,6 +31,7 @@ import mlx.core as mx  # noqa: E402
 
 from kvcompress.kernels import dispatch, evict, kivi_attention, kivi_attention_mma, kivi_quant  # noqa: E402
 from kvcompress.kernels import prompt_scores, scored_attention, turboquant_attention  # noqa: E402
+from kvcompress.methods.quantization.turboquant import selftest_case  # noqa: E402
 from cuda_on_cpu import template_parameters  # noqa: E402
 
 WHEELS = ("nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-runtime-cu12")
@@ -166,7 +167,7 @@ def main():
     # (D 128, 4 rows), and the largest (8 rows); its kernels take float32 queries whatever the model's dtype
     for variant in ((1, 2, 128, 4, True), (2, 3, 128, 4, True), (3, 4, 128, 4, True), (4, 4, 128, 4, False),
                     (3, 4, 128, 8, True), (2, 2, 64, 4, True)):
-        turboquant_attention._selftest("cuda", variant)
+        turboquant_attention._selftest("cuda", *selftest_case(variant))
     for bits in (2, 4):  # KIVI's tensor-core kernel (fp16; the self-test builds the 2-bit one, 4-bit is opt-in)
         q, keys, values = kivi_attention.random_case(bits, bits, 32, 128, 4, 1, mx.float16)
         kivi_attention.decode_attention_fused(q, keys, values, 128**-0.5, False, bits, bits, 32, "cuda",

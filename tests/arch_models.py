@@ -1,6 +1,7 @@
 """Tiny random-weight mlx-lm models, one per architecture, for tests that run a KV-cache method over
 the attention layouts mlx-lm 0.32.2 ships: plain, GQA, sliding window, NoPE layers, MLA, MoE and the
-recurrent hybrids. Each config is a dict as a config.json would hold it, built the way mlx-lm's
+recurrent hybrids, and models that read a layer's keys outside its attention call (KV sharing).
+Each config is a dict as a config.json would hold it, built the way mlx-lm's
 `load_model` builds one (no weights, no network): 4 layers, hidden 128, 4 query / 2 KV heads of 32,
 vocab 512, 4 experts top-2, and every window WINDOW tokens so that a ~40-token prompt crosses it.
 
@@ -344,6 +345,35 @@ ARCHITECTURES: dict[str, dict] = {
         "mamba_proj_bias": False,
         "mamba_conv_bias": True,
         "tie_word_embeddings": True,
+    },
+    # Rot(16) KV, then two KV-shared layers without a cache: layer 2 attends (cache=None) on layer 0's
+    # keys, layer 3 on layer 1's (Gemma 4 E2B/E4B share the last 20 of 35 layers' KV so). Proportional
+    # RoPE on a quarter of the global layer's dims; no per-layer inputs, single-wide MLPs.
+    "gemma4_kv_shared": {
+        **_DENSE,
+        "model_type": "gemma4_text",
+        "num_kv_shared_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": WINDOW,
+        "global_head_dim": 32,
+        "hidden_size_per_layer_input": 0,
+        "use_double_wide_mlp": False,
+    },
+    # KV KV KV KV Rot(16) Rot(16) Rot(16) Rot(16): two loops over the 4 blocks; the second loop's layer
+    # i attends both on the first loop's keys of layer i (the KVCache's, through its own cache) and on
+    # its own window, gated per head.
+    "iquestloopcoder": {**_DENSE, "model_type": "iquestloopcoder", "loop_window_size": WINDOW},
+    # KV KV, then two KV-reuse blocks without a cache that attend (cache=None) on the last cache's keys,
+    # read with `cache[-1].keys_and_values()`.
+    "afm7": {
+        "model_type": "afm7",
+        "vocab_size": 512,
+        "hidden_dim": 128,
+        "num_layers": 4,
+        "num_kv_reuse_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "hidden_dim_scale_factor": 1.0,
     },
 }
 

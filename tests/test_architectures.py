@@ -13,7 +13,8 @@ one call, the last alone) and 8 greedy tokens, and compares with mlx-lm's own pr
   mlx-lm's tokens and log-probabilities, through its own attention;
 - lossy settings (half budgets, 2-bit KIVI, 3- and 2.5-bit TurboQuant, QJL with a 32-token buffer)
   run and give finite log-probabilities;
-- a cell that cannot be right raises ConfigError from `make_cache`, before any token is fed.
+- a cell that cannot be right raises ConfigError from `make_cache`, before any token is fed (on the
+  KV-sharing models, Gemma 4's shared layers, IQuest Loop Coder, AFM 7, every method but `full`).
 KVzip reconstructs the prompt with the model before it compresses (kvcompress/reconstruct.py): its
 cells run that pass after the prompt, over every layer kind (windows and recurrent state see it
 through copies and must come out unchanged: the lossless cells check it).
@@ -33,7 +34,7 @@ from kvcompress.adapter import model_layout, positional_rope
 from kvcompress.errors import ConfigError
 from kvcompress.kernels.evict import rotate_pairs
 from kvcompress.memory import live_kv_bytes
-from kvcompress.methods.eviction import rope_rotations
+from kvcompress.adapter import rope_rotations
 from kvcompress.reconstruct import ReconstructionPrompt, reconstruct
 
 PROMPT, ANSWER = 40, 8
@@ -52,6 +53,9 @@ ATTENTION_REFUSED = {  # no kvcompress cache can serve these models' attention l
     "stablelm": "other arrays than the cache returned",  # keys cast to float32 after the cache
     "falcon_h1": "no global attention layer",  # attention and Mamba side by side in a CacheList
 }
+# a layer's keys read outside its attention call (KV sharing across layers): only `full` serves them
+KV_SHARING_REFUSED = {name: "read outside its own attention call"
+                      for name in ("gemma4_kv_shared", "iquestloopcoder", "afm7")}
 EVICTION_REFUSED = {"deepseek_v2": "values have 32 dims and its keys 48"}
 # CriticalKV reads W_o v: no module takes Qwen3-Next's attention output as it is (it is gated first)
 OUTPUT_PROJECTION_REFUSED = {"qwen3_next": "no output projection"}
@@ -66,6 +70,8 @@ PRE_ROPE_REFUSED = {"cohere2": "rotate by position alone", "exaone4": "rotate by
 def expected_refusal(name: str, method: str) -> str | None:
     if method == "full":
         return None
+    if name in KV_SHARING_REFUSED:
+        return KV_SHARING_REFUSED[name]
     if method == "kvquant" and name == "deepseek_v2":
         return "multiples of 32"
     if name in ATTENTION_REFUSED:
@@ -250,7 +256,8 @@ def test_eviction_with_a_quantizer_is_right_or_refused(name, models):
 
 def test_the_matrix_covers_the_issue_families():
     families = {"llama", "qwen3", "gemma3_text", "ministral3", "mixtral", "gpt_oss", "phi3", "deepseek_v3",
-                "gemma2", "phi", "stablelm", "qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "internlm2"}
+                "gemma2", "phi", "stablelm", "qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "internlm2",
+                "gemma4_kv_shared", "iquestloopcoder", "afm7"}
     assert families <= set(ARCHITECTURES) and len(ARCHITECTURES) >= 25
 
 

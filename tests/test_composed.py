@@ -17,7 +17,7 @@ from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
 from kvcompress.memory import live_kv_bytes
 from kvcompress.methods import ComposedCache, method_config
-from kvcompress.methods.eviction import PAD
+from kvcompress.methods.eviction.base import PAD
 from kvcompress.runner import RunContext, decode_step, derive_cache, method_identity, prefill, run_config, run_sample
 
 KIVI4 = {"name": "kivi", "bits": 4}
@@ -82,7 +82,7 @@ def test_methods_that_evict_while_decoding_are_refused(method, params):
 
 
 def test_every_method_that_compresses_once_composes():
-    from kvcompress.methods.composed import prompt_once_methods
+    from kvcompress.methods.eviction.base import prompt_once_methods
 
     assert prompt_once_methods() == ["adakv", "criticalkv", "expected_attention", "keydiff", "knorm", "pyramidkv",
                                      "random", "snapkv"]

@@ -1,4 +1,4 @@
-"""CriticalKV (kvcompress/methods/criticalkv.py) on random inputs against a float64 NumPy
+"""CriticalKV (kvcompress/methods/eviction/criticalkv.py) on random inputs against a float64 NumPy
 restatement of kvpress's CriticalKVPress (its selection on the embedded model's real keys:
 tests/test_reference_selection.py); its config and its refusal where no output projection is found."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from kvcompress.errors import ConfigError
 from kvcompress.methods import method_config
-from kvcompress.methods.eviction import PAD
+from kvcompress.methods.eviction.base import PAD
 
 from test_eviction import Drive
 

@@ -12,7 +12,7 @@ import pytest
 from kvcompress import make_cache
 from kvcompress.errors import ConfigError
 from kvcompress.methods import method_config
-from kvcompress.methods.decoding import DecodingCache
+from kvcompress.methods.eviction.decoding import DecodingCache
 
 B, H, G, D = 2, 2, 2, 8
 

@@ -15,7 +15,7 @@ from kvcompress import load_dataset, make_cache
 from kvcompress.errors import ConfigError
 from kvcompress.memory import live_kv_bytes
 from kvcompress.methods import method_config
-from kvcompress.methods.duoattention import DuoAttentionCache, area_scores, on_the_fly_scores
+from kvcompress.methods.eviction.duoattention import DuoAttentionCache, area_scores, on_the_fly_scores
 from kvcompress.runner import RunContext, run_sample
 
 BASE = 10000.0

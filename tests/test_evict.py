@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvcompress.kernels import evict as kernel
-from kvcompress.methods.eviction import rope_rotations
+from kvcompress.adapter import rope_rotations
 
 
 def _inputs(R, n, D, seed):

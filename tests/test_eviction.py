@@ -1,4 +1,4 @@
-"""The eviction base (kvcompress/methods/eviction.py) for every eviction method: positions against
+"""The eviction base (kvcompress/methods/eviction/base.py) for every eviction method: positions against
 attention recomputed from raw keys, batched == a plain per-row loop, chunked drop-in == the
 runner's from_prefill, save/load, head-wise (AdaKV) and layer-wise (PyramidKV) budgets."""
 
@@ -16,9 +16,9 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 from kvcompress.adapter import OutputProjection
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.errors import ConfigError
-from kvcompress.methods.eviction import PAD, Eviction, EvictionCache
-from kvcompress.methods.counter_hash import gumbel_noise
-from kvcompress.methods.pyramidkv import layer_shares
+from kvcompress.methods.eviction.base import PAD, Eviction, EvictionCache
+from kvcompress.kernels.counter_hash import gumbel_noise
+from kvcompress.methods.eviction.pyramidkv import layer_shares
 from kvcompress.runner import derive_cache, prefill
 
 BASE = 20000.0  # an unusual RoPE base: a hard-coded 10000 anywhere would break these tests
@@ -569,7 +569,7 @@ def test_drop_in_cache_knows_the_generation_length_for_keyformers_schedule(tiny_
 def test_room_rounds_the_allocation_up_and_keeps_the_slots_in_use():
     # on CUDA a decoding cache's key/value buffers grow in KV_ALIGN steps (cuDNN's decode SDPA
     # needs a slice of such a buffer); the slots in use are kept, the rest is zero room
-    from kvcompress.methods.eviction import KV_ALIGN, _room
+    from kvcompress.methods.eviction.base import KV_ALIGN, _room
 
     a = mx.arange(2 * 5 * 3, dtype=mx.float32).reshape(2, 5, 3)
     grown = _room(a, 5, 6, 0, KV_ALIGN)

@@ -1,4 +1,4 @@
-"""Expected Attention (kvcompress/methods/expected_attention.py): its config, the running query
+"""Expected Attention (kvcompress/methods/eviction/expected_attention.py): its config, the running query
 moments a chunked prompt builds, and the bytes the prompt-time methods of issue 39 free.
 Its selection against kvpress's formula: tests/test_reference_selection.py (real keys and queries)
 and tests/test_eviction.py (random ones, a plain per-row loop)."""
@@ -13,7 +13,7 @@ from kvcompress.datasets import load_dataset, prompt_tokens
 from kvcompress.errors import ConfigError
 from kvcompress.memory import live_kv_bytes
 from kvcompress.methods import method_config
-from kvcompress.methods.eviction import EvictionCache
+from kvcompress.methods.eviction.base import EvictionCache
 from kvcompress.runner import derive_cache, prefill
 
 

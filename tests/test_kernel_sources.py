@@ -14,6 +14,7 @@ import cuda_on_cpu
 from kvcompress.kernels import evict, kivi_attention, kivi_attention_mma, kivi_quant, turboquant_attention
 from kvcompress.kernels import prompt_scores as prompt_kernels
 from kvcompress.kernels import scored_attention as kernel
+from kvcompress.methods.quantization.turboquant import random_case, selftest_case
 from kvcompress.kernels.kivi_attention import CUDA_HEADER
 
 pytestmark = pytest.mark.skipif(cuda_on_cpu.GXX is None, reason="needs g++")
@@ -141,7 +142,7 @@ def test_kivi_decode_attention_runs_as_the_reference(emulated_cuda, key_bits, va
 @pytest.mark.parametrize("key_bits, value_bits, D, M, qjl", [(4, 3, 64, 4, True), (2, 4, 128, 8, True),
                                                              (3, 2, 32, 1, False)])
 def test_turboquant_decode_attention_runs_as_the_reference(emulated_cuda, key_bits, value_bits, D, M, qjl):
-    q, keys, values, n = turboquant_attention.random_case(key_bits, value_bits, D, M, qjl, seed=key_bits + D)
+    q, keys, values, n = random_case(key_bits, value_bits, D, M, qjl, seed=key_bits + D)
     got = turboquant_attention.attention_on_codes_fused(q, keys, values, n, D**-0.5, "cuda", tiles_per_block=2)
     want = turboquant_attention.attention_on_codes_reference(q, keys, values, n, D**-0.5)
     assert_close(got[0], want[0], "output", atol=1e-5)
@@ -334,7 +335,7 @@ def test_prompt_kernels_draw_keyformers_noise(emulated_cuda):
     the counter hash's exact draw, frozen noise of 8 streams x 4096 key positions. The emulator's
     log2 is exact, so this checks everything but the hardware's lg2 error (~1e-7, the GPU tests'):
     the hash, u, the branch and the series, which ~0.2% of draws take (g > 6.2 here)."""
-    from kvcompress.methods.counter_hash import gumbel_noise_from_streams, noise_streams
+    from kvcompress.kernels.counter_hash import gumbel_noise_from_streams, noise_streams
 
     streams = noise_streams(0, 3, mx.arange(8, dtype=mx.uint32).reshape(8, 1))
     draw = mx.fast.cuda_kernel(name="draw", input_names=["streams"], output_names=["out"], header=prompt_kernels._HEADER,
@@ -359,7 +360,7 @@ def test_every_self_test_passes_its_kernel(emulated_cuda):
     evict._selftest("cuda", mx.float32, True, False)
     kivi_quant._selftest("cuda", mx.float32, 2, 32, True)
     kivi_attention._selftest("cuda", mx.float32, (4, 2, 32, 64, 4, 1, False))
-    turboquant_attention._selftest("cuda", (3, 3, 64, 4, True))
+    turboquant_attention._selftest("cuda", *selftest_case((3, 3, 64, 4, True)))
     kernel._selftest("cuda", mx.float32, (4, 64, True, True, True))  # every option (the others: fewer branches)
     prompt_kernels._selftest("cuda", mx.float32, (32, True))
 
@@ -375,7 +376,7 @@ def test_the_turboquant_self_test_rejects_a_kernel_without_the_qjl_term(emulated
     monkeypatch.setattr(turboquant_attention, "CUDA_ATTN_SOURCE", turboquant_attention.CUDA_ATTN_SOURCE.replace(
         "(dot[m][i] + rn[i] * qj[m][i])", "dot[m][i]"))
     with pytest.raises(AssertionError, match="turboquant_decode_attention self-test"):
-        turboquant_attention._selftest("cuda", (3, 3, 64, 4, True))
+        turboquant_attention._selftest("cuda", *selftest_case((3, 3, 64, 4, True)))
 
 
 def test_turboquant_cache_decodes_through_the_kernel(emulated_cuda, monkeypatch):
@@ -429,7 +430,7 @@ def test_cache_prompt_through_the_kernels(emulated_cuda, monkeypatch, method):
     (emulated) tensor-core kernels, Keyformer's noise drawn there, and keeps what the MLX tiles keep."""
     from kvcompress.kernels import dispatch
     from kvcompress.methods import method_config
-    from kvcompress.methods.eviction import EvictionCache
+    from kvcompress.methods.eviction.base import EvictionCache
 
     cfg = method_config(method, budget=40)
     k1, k2, k3 = mx.random.split(mx.random.key(5), 3)

@@ -14,10 +14,10 @@ from mlx_lm.models.cache import KVCache
 
 from kvcompress.attention import install
 from kvcompress.errors import ConfigError
-from kvcompress.methods.eviction import EvictionCache
-from kvcompress.methods.h2o import H2O
-from kvcompress.methods.counter_hash import gumbel_noise
-from kvcompress.methods.keyformer import Keyformer
+from kvcompress.methods.eviction.base import EvictionCache
+from kvcompress.methods.eviction.h2o import H2O
+from kvcompress.kernels.counter_hash import gumbel_noise
+from kvcompress.methods.eviction.keyformer import Keyformer
 
 BASE = 20000.0  # an unusual RoPE base: a hard-coded 10000 anywhere would break these tests
 

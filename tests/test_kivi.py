@@ -1,4 +1,4 @@
-"""KIVI with packed storage (kvcompress/methods/kivi.py): config, group-aligned flushes, attention on
+"""KIVI with packed storage (kvcompress/methods/quantization/kivi.py): config, group-aligned flushes, attention on
 codes, masks, trim, save/load, measured memory, drop-in generation and 8-bit quality on the
 embedded model."""
 
@@ -18,7 +18,7 @@ from kvcompress.attention import reference_attention
 from kvcompress.embedded import essays_dir
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.errors import ConfigError
-from kvcompress.methods.kivi import Kivi, KiviCache
+from kvcompress.methods.quantization.kivi import Kivi, KiviCache
 
 
 def kv(T, H=2, D=64, seed=0, dtype=mx.float32):
@@ -332,7 +332,7 @@ def test_kivi8_is_near_lossless_on_embedded_model(embedded):
     assert 0 < mean_kl < 1e-3, mean_kl
 
 
-# --- the decode step's own path (host cost: kvcompress/methods/kivi.py update_and_fetch) ---------
+# --- the decode step's own path (host cost: kvcompress/methods/quantization/kivi.py update_and_fetch) ---------
 
 
 def _same_state(a, b):

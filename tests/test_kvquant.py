@@ -17,7 +17,7 @@ import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
 from kvcompress.methods import method_config
-from kvcompress.methods.kvquant import KVQuantCache, kmeans_1d
+from kvcompress.methods.quantization.kvquant import KVQuantCache, kmeans_1d
 from model_fixtures import next_token_kl
 
 B, H, D, BASE = 1, 2, 64, 10000.0

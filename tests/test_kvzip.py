@@ -1,4 +1,4 @@
-"""KVzip (kvcompress/methods/kvzip.py, kvcompress/reconstruct.py): the reconstruction scores against
+"""KVzip (kvcompress/methods/eviction/kvzip.py, kvcompress/reconstruct.py): the reconstruction scores against
 a float64 NumPy restatement of the reference code on random inputs, the head-wise kept sets, the
 padded layout at the budget with the memory freed, the runner and the drop-in path on the
 embedded model, and AdaKV over KVzip's scores."""
@@ -17,7 +17,7 @@ from kvcompress.datasets import load_dataset, sample_prompt
 from kvcompress.errors import ConfigError
 from kvcompress.memory import live_kv_bytes
 from kvcompress.methods import method_config
-from kvcompress.methods.eviction import PAD
+from kvcompress.methods.eviction.base import PAD
 from kvcompress.reconstruct import ReconstructionPrompt, reconstruct, reconstruction_prompt
 from kvcompress import runner
 from test_eviction import Drive, rope_at, softmax

@@ -15,6 +15,7 @@ import pytest
 import metal_on_cpu
 from kvcompress.kernels import evict, kivi_attention, kivi_quant, turboquant_attention
 from kvcompress.kernels import scored_attention as kernel
+from kvcompress.methods.quantization.turboquant import random_case, selftest_case
 
 pytestmark = pytest.mark.skipif(metal_on_cpu.GXX is None, reason="needs g++")
 needs_clang = pytest.mark.skipif(metal_on_cpu.CLANG is None, reason="needs clang++ (the address-space check)")
@@ -235,7 +236,7 @@ def test_kivi_decode_attention_runs_as_the_reference(emulated_metal, key_bits, v
 @pytest.mark.parametrize("key_bits, value_bits, D, M, qjl", [(2, 4, 128, 8, True), (3, 3, 64, 4, False)])
 def test_turboquant_decode_attention_runs_as_the_reference(emulated_metal, key_bits, value_bits, D, M, qjl):
     assert turboquant_attention.shared_bytes(128, 8, True, 3, 4) <= metal_on_cpu.THREADGROUP_MEMORY_LIMIT
-    q, keys, values, n = turboquant_attention.random_case(key_bits, value_bits, D, M, qjl, seed=key_bits + D)
+    q, keys, values, n = random_case(key_bits, value_bits, D, M, qjl, seed=key_bits + D)
     got = turboquant_attention.attention_on_codes_fused(q, keys, values, n, D**-0.5, "metal", tiles_per_block=2)
     want = turboquant_attention.attention_on_codes_reference(q, keys, values, n, D**-0.5)
     assert_close(got[0], want[0], "output", atol=1e-5)
@@ -345,5 +346,5 @@ def test_every_self_test_passes_its_kernel(emulated_metal):
     evict._selftest("metal", mx.float32, True, False)
     kivi_quant._selftest("metal", mx.float32, 2, 32, True)
     kivi_attention._selftest("metal", mx.float32, (4, 2, 32, 64, 4, 1, False))
-    turboquant_attention._selftest("metal", (3, 3, 64, 4, False))
+    turboquant_attention._selftest("metal", *selftest_case((3, 3, 64, 4, False)))
     kernel._selftest("metal", mx.float32, (4, 64, True, True, True))

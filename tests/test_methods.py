@@ -53,7 +53,7 @@ def test_mlx_quant_on_a_device_without_its_kernels_fails_before_any_work(embedde
     """MLX 0.32.4's CUDA back-end has no quantized_matmul for mlx-lm's quantized attention shapes
     (measured on the H200: "No implementation for problem shape"). Here the CPU has them, so the
     check passes; with MLX's failure forced, make_cache names the method and the missing kernel."""
-    from kvcompress.methods import mlx_quant
+    from kvcompress.methods.quantization import mlx_quant
 
     model, _ = embedded
     assert len(method_config("mlx-quant").make_cache(model)) == len(model.layers)

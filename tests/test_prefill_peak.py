@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 import kvcompress
-from kvcompress.methods import base
+from kvcompress.methods.quantization import base
 
 PROMPT, CHUNK, BLOCK = 2048, 512, 256
 

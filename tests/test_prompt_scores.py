@@ -1,4 +1,4 @@
-"""Prompt scoring in bounded memory (kvcompress/methods/prompt_scores.py): tiled == untiled."""
+"""Prompt scoring in bounded memory (kvcompress/methods/eviction/scoring/prompt_scores.py): tiled == untiled."""
 
 import kvcompress  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from kvcompress.kernels import dispatch
 from kvcompress.kernels import prompt_scores as prompt_kernels
-from kvcompress.methods import prompt_scores
-from kvcompress.methods.counter_hash import gumbel_noise
-from kvcompress.methods.prompt_scores import accumulated_attention, accumulated_attention_reference
+from kvcompress.methods.eviction.scoring import prompt_scores
+from kvcompress.kernels.counter_hash import gumbel_noise
+from kvcompress.methods.eviction.scoring.prompt_scores import accumulated_attention, accumulated_attention_reference
 
 
 def _inputs(R, G, L, n, D, seed):
@@ -61,8 +61,8 @@ def _keyformer_scorer_transform(T):
     """Keyformer's transform as the eviction cache passes it during a T-token prefill."""
     import mlx.nn as nn
 
-    from kvcompress.methods.eviction import EvictionCache
-    from kvcompress.methods.keyformer import Keyformer
+    from kvcompress.methods.eviction.base import EvictionCache
+    from kvcompress.methods.eviction.keyformer import Keyformer
 
     config = Keyformer(budget=0.5, seed=5)
     cache = EvictionCache(config, 3, 8, 2, 8, nn.RoPE(8), 8**-0.5)
@@ -187,7 +187,7 @@ def test_keyformer_hands_the_kernels_its_own_transform(params):
     `transform`: the kernels' reference with it equals the MLX tiles' reference with the transform,
     here for a later chunk of a prompt (queries 60..99 of 100) in layer 2."""
     from kvcompress.methods import method_config
-    from kvcompress.methods.eviction import EvictionCache
+    from kvcompress.methods.eviction.base import EvictionCache
 
     cfg = method_config("keyformer", budget=64, **params)
     cache = EvictionCache(cfg, 2, 4, 2, 32, None, 32**-0.5)

@@ -13,8 +13,9 @@ import pytest
 import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
-from kvcompress.methods import base, method_config
-from kvcompress.methods.qjl import QjlCache, sketch
+from kvcompress.methods import method_config
+from kvcompress.methods.quantization import base
+from kvcompress.methods.quantization.qjl import QjlCache, sketch, values_product
 from model_fixtures import next_token_kl
 
 
@@ -188,3 +189,18 @@ def test_qjl_on_the_embedded_model_more_sketch_bits_track_the_full_cache_closer(
                         for s in range(3)])
           for m in (256, 1024)}
     assert kl[256] < 1.0 and kl[1024] < kl[256], kl
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_values_product_paths_agree(bits):
+    # CUDA's quantized_matmul lacks small transpose=False shapes: there the values are dequantized
+    # first; both paths compute probs @ dequantize(codes) (random inputs, the failing GPU shape among them)
+    for rows, n, d in [(2, 28, 32), (8, 300, 64), (1, 1, 128)]:
+        keys = mx.random.split(mx.random.key(rows * n + d + bits), 2)
+        probs = mx.softmax(mx.random.normal((2, 3, rows, n), key=keys[0]), axis=-1)
+        codes, scales, zeros = mx.quantize(mx.random.normal((2, 3, n, d), key=keys[1]), group_size=32, bits=bits)
+        fused = values_product(probs, codes, scales, zeros, 32, bits, fused=True)
+        plain = values_product(probs, codes, scales, zeros, 32, bits, fused=False)
+        reference = probs @ mx.dequantize(codes, scales, zeros, group_size=32, bits=bits)
+        np.testing.assert_allclose(np.array(fused), np.array(reference), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.array(plain), np.array(reference))

@@ -177,7 +177,7 @@ def lowbias32(x: np.ndarray) -> np.ndarray:
 
 def keyformer_noise(seed: int, layer: int, n_heads: int, T: int) -> np.ndarray:
     """Gumbel noise zeta [H_q, T, T] of the prompt's queries, restated from the derivation that
-    kvcompress/methods/keyformer.py and counter_hash.py document (the reference draws torch's RNG,
+    kvcompress/methods/eviction/keyformer.py and counter_hash.py document (the reference draws torch's RNG,
     which no implementation can match, so the test reproduces ours in NumPy, not through its code):
     a stream per (seed, layer, query head), lowbias32(stream ^ (query position + 1)) per query, then
     lowbias32(that ^ key position) per key; u = (top 24 bits + 0.5) / 2^24 in float32 (capped below 1)

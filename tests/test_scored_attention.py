@@ -15,8 +15,8 @@ from kvcompress.kernels import dispatch
 from kvcompress.kernels.evict import evict_slot_reference
 from kvcompress.kernels import scored_attention as kernel
 from kvcompress.methods import method_config
-from kvcompress.methods import eviction
-from kvcompress.methods.eviction import EvictionCache
+from kvcompress.methods.eviction import base as eviction
+from kvcompress.methods.eviction.base import EvictionCache
 from model_fixtures import TwinCaches
 
 GPU = dispatch.gpu_backend()
@@ -131,7 +131,7 @@ def test_the_scored_step_picks_the_slot_itself(monkeypatch):
 def test_reference_noise_is_keyformers():
     """The reference's noisy softmax is Keyformer's transform: (logits + zeta) / tau, zeta from
     counter_hash for (stream, query position, key position)."""
-    from kvcompress.methods.counter_hash import gumbel_noise_from_streams
+    from kvcompress.kernels.counter_hash import gumbel_noise_from_streams
 
     q, keys, values, _ = kernel.random_case(3, 4, 32, 50, 64, mx.float32, seed=5)
     noise = kernel.random_noise(3, 4, 64, seed=6)

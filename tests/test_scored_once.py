@@ -1,4 +1,4 @@
-"""Methods scored once from the key alone (kvcompress/methods/scored_once.py): KNorm and random.
+"""Methods scored once from the key alone (kvcompress/methods/eviction/scoring/scored_once.py): KNorm and random.
 By default they compress the prompt once (kvpress); decode-time eviction is an option."""
 
 from __future__ import annotations

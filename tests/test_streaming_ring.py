@@ -1,4 +1,4 @@
-"""StreamingLLM's ring order (kvcompress/methods/eviction.py, `_ring_slot`): an exact-position,
+"""StreamingLLM's ring order (kvcompress/methods/eviction/base.py, `_ring_slot`): an exact-position,
 unpadded cache evicts the oldest non-sink token, whose slot the host tracks as a Python int. Every
 test runs the ring beside the kernel path (`ring_order = False`: `evict_slot` and index-array
 scatters) and asserts that everything observable is bit-identical, step by step."""
@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvcompress.methods import REGISTRY, method_config
-from kvcompress.methods.eviction import Eviction, EvictionCache
+from kvcompress.methods.eviction.base import Eviction, EvictionCache
 from model_fixtures import TwinCaches
 
 

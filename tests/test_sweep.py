@@ -134,7 +134,7 @@ def test_cli_sweep_parses_and_validates_the_grid_once(tmp_path, embedded, prefec
     """From the YAML file to the cache: the CLI parses the grid once and hands the flow the parsed
     spec; the spec is expanded once; each method config is validated once (shards carry the
     objects to the cache: no JSON round trip in between)."""
-    from kvcompress.methods.streaming import Streaming
+    from kvcompress.methods.eviction.streaming import Streaming
     from kvcompress.sweep import SweepSpec
 
     counts = {"parse": 0, "expand": 0}
@@ -175,7 +175,7 @@ COMPRESSIONS = {0.5, 0.25, 0.125, 0.0625}  # 2x, 4x, 8x, 16x
 
 @pytest.mark.parametrize("grid", ["nightly", "benchmarks/grids/quality.yaml"])
 def test_nightly_and_quality_grids_cover_2x_to_16x_for_every_eviction_method(grid):
-    from kvcompress.methods.eviction import Eviction
+    from kvcompress.methods.eviction.base import Eviction
 
     spec = load_spec(grid)
     configs = spec.method_configs()
@@ -191,7 +191,7 @@ def test_nightly_and_quality_grids_cover_2x_to_16x_for_every_eviction_method(gri
 
 def test_budgets_down_to_a_32nd_of_the_prompt_validate_and_resolve():
     from kvcompress.methods import REGISTRY, method_config
-    from kvcompress.methods.eviction import Eviction
+    from kvcompress.methods.eviction.base import Eviction
 
     spec = load_spec({**GRID, "methods": [{"name": "streaming", "grid": {"budget": [0.0625, 0.03125]}},
                                           {"name": "knorm", "grid": {"budget": [0.03125]}}]})

@@ -13,9 +13,10 @@ import pytest
 import kvcompress
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
-from kvcompress.methods import base, method_config
-from kvcompress.methods.base import attends_on_codes
-from kvcompress.methods.turboquant import TurboQuantCache, codebook, pack, unpack
+from kvcompress.methods import method_config
+from kvcompress.methods.quantization import base
+from kvcompress.methods.quantization.base import attends_on_codes, pack, unpack
+from kvcompress.methods.quantization.turboquant import TurboQuantCache, codebook
 from model_fixtures import next_token_kl
 
 

@@ -20,10 +20,9 @@ from kvcompress.kernels.turboquant_attention import (
     attention_on_codes_fused,
     attention_on_codes_reference,
     fused_supported,
-    random_case,
     with_fresh_tokens,
 )
-from kvcompress.methods.turboquant import TurboQuantCache
+from kvcompress.methods.quantization.turboquant import TurboQuantCache, random_case
 
 GPU = dispatch.gpu_backend()
 needs_gpu = pytest.mark.skipif(GPU is None, reason="needs a CUDA or Metal GPU (the fused kernel runs only there)")

@@ -3,7 +3,7 @@
 Two steps, by the cache's position mode:
 - `evict_slot` (exact positions, the default; one pass): only picks, per row, the slot whose token
   goes. Nothing moves: the cache writes its next token into that slot (kvcompress/methods/
-  eviction.py), so a decode step writes one token per row instead of copying the cache. Slots are
+  eviction/base.py), so a decode step writes one token per row instead of copying the cache. Slots are
   then in no particular order, so protection and ties go by true position, not by slot index.
 - `evict_one` (compact positions): removes the slot and shifts the later tokens down, re-rotating
   their keys one RoPE position back. Every later key changes, so this pass is O(n) by nature.

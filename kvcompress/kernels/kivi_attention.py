@@ -1,7 +1,7 @@
 """KIVI decode attention on packed codes: one fused kernel body for CUDA and Metal, MLX reference beside it.
 
 The problem: 1..8 query rows per KV head (a decode step's GQA group, rep * L rows folded into one
-matrix, as in kvcompress/methods/kivi.py) attend over T tokens whose first `n_packed` keys are KIVI
+matrix, as in kvcompress/methods/quantization/kivi.py) attend over T tokens whose first `n_packed` keys are KIVI
 codes (per channel, K^T [D, T*kb/32] in MLX's layout, groups of G tokens) and whose first
 `n_packed` values are codes (per token, [T, D*vb/32], groups of G channels); the remaining tokens of
 each side are a full-precision residual. Keys and values may have different numbers of codes (the

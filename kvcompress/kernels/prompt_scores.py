@@ -4,8 +4,8 @@ prompt's queries.
 s_j = sum over the query rows m (the G heads of a KV row times the L prompt queries) of
 softmax(x_m)_j, x_mj = q_m . k_j (queries pre-scaled) for the keys j the query at position p(m) sees
 (j <= p(m)); for Keyformer x_mj = (q_m . k_j + zeta_mj) / tau_m, its Gumbel noise drawn in the
-kernels from the counter hash of kvcompress/methods/counter_hash.py (`PromptNoise`).
-kvcompress/methods/prompt_scores.py computes it in MLX tiles: a matmul writes each tile of logits,
+kernels from the counter hash of kvcompress/kernels/counter_hash.py (`PromptNoise`).
+kvcompress/methods/eviction/scoring/prompt_scores.py computes it in MLX tiles: a matmul writes each tile of logits,
 then a compiled chain, a softmax and a column sum each read and write it again; at 32k (8 KV heads
 x 4, D 128, fp16) that made H2O's prefill ~3x the full cache's on the H200 and Keyformer's ~4.4x
 (docs/learned.md): the tiles' memory traffic, not their arithmetic, bounds it.
@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..methods.counter_hash import gumbel_noise_from_streams, noise_streams
+from .counter_hash import gumbel_noise_from_streams, noise_streams
 from . import dispatch
 from .scored_attention import _EXTRA_HEADER
 
@@ -56,7 +56,7 @@ THREADS = 128  # 4 warps, 16 rows of a tile each
 
 class PromptNoise(NamedTuple):
     """Keyformer's transform for the kernels: the softmax is of (logit + zeta) / tau, zeta the Gumbel
-    noise of kvcompress/methods/counter_hash.py for (query head, query position, key position)."""
+    noise of kvcompress/kernels/counter_hash.py for (query head, query position, key position)."""
 
     streams: mx.array  # [R, G] uint32 noise streams of the query heads (counter_hash.noise_streams)
     redraw: bool  # a draw per query position (else the frozen noise: one per key)
@@ -65,7 +65,7 @@ class PromptNoise(NamedTuple):
 
     def apply(self, logits: mx.array, query_positions: mx.array, key_positions: mx.array) -> mx.array:
         """logits [R, G, l, k] of queries and keys at these positions -> (logits + zeta) / tau in MLX
-        ops (as Keyformer.transform): the transform of methods/prompt_scores.py's tiles too."""
+        ops (as Keyformer.transform): the transform of methods/eviction/scoring/prompt_scores.py's tiles too."""
         zeta = gumbel_noise_from_streams(self.streams, query_positions if self.redraw else None, key_positions[None])
         return (logits + zeta) / self.tau[query_positions - self.first][:, None]
 

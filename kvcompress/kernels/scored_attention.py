@@ -26,7 +26,7 @@ per layer at 16k slots on the H200 against SDPA's 41). Here:
    (ACCUMULATE: H2O's update in the same launch) or alone.
 
 Keyformer (NOISY): its scores' softmax is of (logit + zeta) / tau, zeta the Gumbel noise of
-kvcompress/methods/counter_hash.py (a hash of the head's noise stream, the step's query position and
+kvcompress/kernels/counter_hash.py (a hash of the head's noise stream, the step's query position and
 the key's true position, `GumbelNoise`). `attend` also keeps a running max and sum of those noisy
 logits per head (the lane holding a logit draws its noise: one hash and two logs), `finish` combines
 them and draws each slot's noise again (recomputed, not stored) for its probabilities, and adds
@@ -71,7 +71,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..methods.counter_hash import gumbel_noise_from_streams, noise_streams
+from .counter_hash import gumbel_noise_from_streams, noise_streams
 from . import dispatch
 from .evict import evict_slot_reference
 from .kivi_attention import CUDA_HEADER, METAL_HEADER
@@ -100,7 +100,7 @@ SLOTS_PER_FINISH_BLOCK = 1024
 
 class GumbelNoise(NamedTuple):
     """Keyformer's score transform for the kernels: the scores' softmax is of (logits + zeta) / tau,
-    zeta the Gumbel noise of kvcompress/methods/counter_hash.py for each (query head, key position)."""
+    zeta the Gumbel noise of kvcompress/kernels/counter_hash.py for each (query head, key position)."""
 
     streams: mx.array  # [R, G] uint32 noise streams of the query heads (counter_hash.noise_streams)
     positions: mx.array  # [R, >= n] int32 true positions of the slots (a buffer: the first n are read)
@@ -186,7 +186,7 @@ _ATTEND_BODY = """
     const int my_g = idx % GP;
     const bool writer = (lane & ((1 << SHIFT) - 1)) == 0;
     // NOISY (Keyformer): the scores' softmax is of (logit + Gumbel noise) / tau, the noise a hash of
-    // this step's stream of the head and the key's true position (kvcompress/methods/counter_hash.py)
+    // this step's stream of the head and the key's true position (kvcompress/kernels/counter_hash.py)
     const unsigned int step_hash = NOISY && my_g < G ? mix32(streams[row * G + my_g] ^ (unsigned int)slot_dims[0]) : 0u;
 
     float qv[G][C];

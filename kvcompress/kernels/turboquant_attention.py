@@ -3,7 +3,7 @@ reference beside it.
 
 The problem, per (batch, KV head) row: 1..8 query rows (a decode step's GQA group, rep * L rows
 folded into one matrix, rep-major, as the cache's reference folds them) attend over the first `n`
-tokens held as TurboQuant codes (kvcompress/methods/turboquant.py: per token the norm and the
+tokens held as TurboQuant codes (kvcompress/methods/quantization/turboquant.py: per token the norm and the
 Lloyd-Max codes of the rotated unit vector, packed little-endian in uint32 words; keys optionally the
 1-bit QJL residual: the signs of S r packed, and ||r||). The result is the softmax-weighted sum of
 the values over those tokens and the log-sum-exp of the logits per row: the cache merges in the
@@ -50,10 +50,9 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
-import numpy as np
 
 from . import dispatch
 from .kivi_attention import BLOCK_PARTIAL_STORE
@@ -73,7 +72,8 @@ THREADS = 128  # 4 warps
 class Coded(NamedTuple):
     """One side (keys or values) of an integer-width TurboQuant cache as attention sees it.
 
-    codec: the side's methods.turboquant.Codec (its rotation, sketch, codebook and widths).
+    codec: the side's Codec (kvcompress/methods/quantization/turboquant.py: its rotation, sketch,
+    codebook, `centroids` (the codebook as floats) and widths), passed in: a kernel imports no method.
     arrays: Codec.quantize's names -> buffers [B, H, cap, ...] ("codes" uint32 words, "norms" f16;
     with the QJL residual "signs" uint32 and "res_norms" f16), of which the first n rows are held
     (the rows past them are allocated capacity, never read).
@@ -353,13 +353,10 @@ def _stand_in() -> mx.array:
 
 
 @functools.lru_cache(maxsize=256)
-def _consts(scale: float, D: int, key_code_bits: int, value_bits: int) -> mx.array:
-    # the softmax scale in log2 units, the QJL factor and both codebooks (as the codecs hold them):
+def _consts(scale: float, D: int, key_centroids: tuple, value_centroids: tuple) -> mx.array:
+    # the softmax scale in log2 units, the QJL factor and both codebooks (the codecs' `centroids`):
     # one array per signature, not one written per layer and step
-    from ..methods.turboquant import codebook
-
-    books = [float(x) for b in (key_code_bits, value_bits) for x in codebook(D, b).astype(np.float32)]
-    values = [scale * math.log2(math.e), math.sqrt(math.pi / 2) / D, *books]
+    values = [scale * math.log2(math.e), math.sqrt(math.pi / 2) / D, *key_centroids, *value_centroids]
     values += [0.0] * max(0, dispatch.METAL_CONSTANT_BELOW - len(values))
     return mx.array(values, dtype=mx.float32)
 
@@ -379,7 +376,7 @@ def attention_on_codes_fused(q: mx.array, keys: Coded, values: Coded, n: int, sc
     tpb = tiles_per_block or default_tiles_per_block(n_tiles, rows)
     nb = -(-n_tiles // tpb)
     dims = dispatch.constant((n, cap, tpb, nb), mx.int32)
-    consts = _consts(scale, D, kc.code_bits, vc.bits)
+    consts = _consts(scale, D, kc.centroids, vc.centroids)
     signs, res_norms = (ka["signs"], ka["res_norms"]) if kc.qjl else (_stand_in(), _stand_in())
     template = [("KB", kc.code_bits), ("VB", vc.bits), ("D", D), ("M", M), ("QJL", kc.qjl), ("NT", THREADS)]
     o_part, stats = _kernel("attn", backend)(
@@ -433,34 +430,15 @@ def with_fresh_tokens(out: mx.array, lse: mx.array, q: mx.array, fresh_k: mx.arr
     return out * mx.exp(lse - lse_all)[..., None] + fresh
 
 
-def random_case(key_bits: int, value_bits: int, D: int, M: int, qjl: bool = True, seed: int = 0, T: int = 300,
-                heads: int = 2):
-    """A random decode problem on a real TurboQuantCache: (q [1, heads, M, D] float32, keys, values, n).
-
-    Used by the self-test, the tests and the benchmark. The cache holds T tokens (the default: two tiles
-    and part of a third) written as a prompt and then a token at a time, so its buffers have spare rows."""
-    from ..methods.turboquant import TurboQuantCache
-
-    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
-    k = mx.random.normal((1, heads, T, D), key=k1)
-    v = mx.random.normal((1, heads, T, D), key=k2)
-    q = mx.random.normal((1, heads, M, D), key=k3)
-    cache = TurboQuantCache(key_bits, value_bits, seed, qjl)
-    prompt = max(1, T - 2)
-    cache.update_and_fetch(k[:, :, :prompt], v[:, :, :prompt])
-    for t in range(prompt, T):
-        cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
-    return q, cache.key_side.coded(cache.arrays), cache.value_side.coded(cache.arrays), T
-
-
 # the rotated query is a float32 matmul outside the kernel, which a GPU may round through TF32 (KIVI's
 # reference on the H200: 4e-4); a wrong kernel is off by far more
 _SELFTEST_TOLERANCE = 2e-3
 
 
-def _selftest(backend: str, variant: tuple) -> None:
-    code_bits, value_bits, D, M, qjl = variant
-    q, keys, values, n = random_case(code_bits + qjl, value_bits, D, M, qjl, seed=1)
+def _selftest(backend: str, q: mx.array, keys: Coded, values: Coded, n: int) -> None:
+    """The fused kernel against the reference on a random case of one variant (the method's
+    `selftest_case`: real codes of a real cache, which only the method can make)."""
+    D = q.shape[-1]
     out, lse = attention_on_codes_fused(q, keys, values, n, D**-0.5, backend, tiles_per_block=2)
     with mx.stream(mx.cpu):  # float32 on the CPU
         want_out, want_lse = attention_on_codes_reference(q, keys, values, n, D**-0.5)
@@ -469,12 +447,14 @@ def _selftest(backend: str, variant: tuple) -> None:
     dispatch.assert_close(lse, want_lse, _SELFTEST_TOLERANCE, f"{KERNEL} self-test (log-sum-exp)")
 
 
-def decode_backend(q: mx.array, keys: Coded | None, values: Coded | None, n: int, dtype) -> str | None:
+def decode_backend(q: mx.array, keys: Coded | None, values: Coded | None, n: int, dtype,
+                   selftest_case: Callable[[tuple], tuple]) -> str | None:
     """The backend ("cuda" / "metal") to run this call's held tokens fused on, after the kernel's
     self-test for its variant on first use; None: the caller runs its reference (recorded as such).
-    q [B, H, M, D] the folded queries; dtype: the model's (the path is recorded under it)."""
+    q [B, H, M, D] the folded queries; dtype: the model's (the path is recorded under it);
+    selftest_case(variant) -> (q, keys, values, n): a random case of the variant, for the self-test."""
     if not fused_supported(q, keys, values, n):
         dispatch.record_reference(KERNEL, dtype)
         return None
     variant = (keys.codec.code_bits, values.codec.bits, q.shape[-1], q.shape[-2], keys.codec.qjl)
-    return dispatch.select("turboquant_decode_attention", dtype, variant, lambda backend: _selftest(backend, variant))
+    return dispatch.select("turboquant_decode_attention", dtype, variant, lambda backend: _selftest(backend, *selftest_case(variant)))

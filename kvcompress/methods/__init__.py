@@ -1,53 +1,41 @@
-"""Registry of compression methods: name -> config class. Adding a method is adding one file and
-one entry in `REGISTRY`."""
+"""Compression methods by family: `eviction/` (keep some tokens), `quantization/` (keep every token in
+fewer bits), `composed.py` (an eviction method's kept tokens stored by a quantizer), `full.py` (the
+uncompressed baseline); `base.py` is what every method is, `registry.py` finds one by name.
+
+Adding a method is adding one file to its family and one entry in the tuple below."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..adapter import LAYER_CHOICES
-from ..errors import ConfigError, build, check
+from ..errors import ConfigError
 from .base import CompressedCache, Method
-from .adakv import AdaKV
 from .composed import ComposedCache
-from .criticalkv import CriticalKV
-from .decoding import Decoding
-from .duoattention import DuoAttention
-from .expected_attention import ExpectedAttention
+from .eviction.adakv import AdaKV
+from .eviction.criticalkv import CriticalKV
+from .eviction.decoding import Decoding
+from .eviction.duoattention import DuoAttention
+from .eviction.expected_attention import ExpectedAttention
+from .eviction.h2o import H2O
+from .eviction.keydiff import KeyDiff
+from .eviction.keyformer import Keyformer
+from .eviction.knorm import KNorm
+from .eviction.kvzip import KVzip
+from .eviction.pyramidkv import PyramidKV
+from .eviction.random_floor import Random
+from .eviction.snapkv import SnapKV
+from .eviction.streaming import Streaming
+from .eviction.tova import TOVA
 from .full import Full
-from .h2o import H2O
-from .keydiff import KeyDiff
-from .keyformer import Keyformer
-from .kivi import Kivi
-from .kvquant import KVQuant
-from .knorm import KNorm
-from .kvzip import KVzip
-from .mlx_quant import MlxQuant
-from .pyramidkv import PyramidKV
-from .qjl import Qjl
-from .random_floor import Random
-from .snapkv import SnapKV
-from .streaming import Streaming
-from .tova import TOVA
-from .turboquant import TurboQuant
+from .quantization.kivi import Kivi
+from .quantization.kvquant import KVQuant
+from .quantization.mlx_quant import MlxQuant
+from .quantization.qjl import Qjl
+from .quantization.turboquant import TurboQuant
+from .registry import REGISTRY, list_methods, method_config
 
-REGISTRY: dict[str, type[Method]] = {
+REGISTRY.update({
     cls.name: cls
     for cls in (Full, MlxQuant, Kivi, TurboQuant, Qjl, KVQuant, Streaming, H2O, Keyformer, SnapKV, PyramidKV, AdaKV,
                 TOVA, KNorm, Random, KeyDiff, ExpectedAttention, CriticalKV, DuoAttention, Decoding, KVzip)
-}
-
-
-def method_config(name: str, **params: Any) -> Method:
-    """Build a validated method config, naming the bad field and the allowed values on error."""
-    config = build("method", REGISTRY, name, params)
-    check(config.layers in LAYER_CHOICES, f"{name}.layers", f"one of {LAYER_CHOICES}", config.layers)
-    return config
-
-
-def list_methods() -> list[dict[str, Any]]:
-    """Every registered method with its one-line doc and parameters with their defaults."""
-    return [cls.describe() for cls in REGISTRY.values()]
-
+})
 
 __all__ = ["REGISTRY", "ComposedCache", "CompressedCache", "ConfigError", "Method", "list_methods", "method_config"]

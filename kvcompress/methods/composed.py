@@ -45,82 +45,14 @@ positions [B * H_kv, n] int32 this cache holds (evidence, and the padding mask).
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
 from ..adapter import model_layout
-from ..errors import ConfigError, build
-from .base import CompressedCache, Method
-from .eviction import PAD, Eviction, EvictionCache
-
-
-def quantizers() -> dict[str, type[Method]]:
-    """The registered methods that can store an eviction method's kept tokens."""
-    from . import REGISTRY  # the registry imports the eviction methods, which import this module
-
-    return {name: cls for name, cls in REGISTRY.items() if cls.stores_quantized}
-
-
-def prompt_once_methods() -> list[str]:
-    """The eviction methods that compress the prompt once and never evict while decoding."""
-    from . import REGISTRY
-
-    return sorted(name for name, cls in REGISTRY.items()
-                  if issubclass(cls, Eviction) and not cls().evicts_while_decoding and not cls().scoring().reconstructs)
-
-
-def refusal(value: Any) -> str:
-    """Why the quantizer `value` (a config or a mapping naming one) cannot store an eviction method's
-    kept tokens, where it is a registered quantizer that says so ("" otherwise)."""
-    from . import REGISTRY
-
-    name = type(value).name if isinstance(value, Method) else value.get("name") if isinstance(value, dict) else None
-    cls = REGISTRY.get(name) if isinstance(name, str) else None
-    return f"{name} cannot store an eviction method's kept tokens: {cls.store_refusal}" if cls and cls.store_refusal else ""
-
-
-def quantizer_config(owner: Eviction, value: Any) -> Method | None:
-    """`owner.quantize` validated into a quantizer config (None stays None); ConfigError naming
-    `<method>.quantize...` and the allowed values."""
-    if value is None:
-        return None
-    field, allowed = f"{owner.name}.quantize", quantizers()
-    refused = refusal(value)
-    if refused:
-        raise ConfigError(f"{field}.name: {refused}; expected one of {sorted(allowed)}")
-    if isinstance(value, Method):
-        if type(value).name not in allowed:
-            raise ConfigError(f"{field}: expected a quantizer config, one of {sorted(allowed)}, got {value.label()!r}")
-        config = value
-    elif isinstance(value, dict):
-        if "name" not in value:
-            raise ConfigError(f"{field}.name: expected one of {sorted(allowed)}, got no name in {value!r}")
-        params = {k: v for k, v in value.items() if k != "name"}
-        try:
-            config = build(f"{field}.name", allowed, value["name"], params)
-        except ConfigError as exc:
-            message = str(exc)
-            raise ConfigError(message if message.startswith(field) else f"{field}: {message}") from None
-        except TypeError as exc:
-            raise ConfigError(f"{field}: {exc}") from None
-    else:
-        raise ConfigError(f"{field}: expected a mapping such as {{'name': 'kivi', 'bits': 4}} or None, got {value!r}")
-    if config.layers != "global":
-        raise ConfigError(f"{field}.layers: the eviction method's own `layers` says which layers are compressed; "
-                          f"expected it unset, got {config.layers!r}")
-    if owner.evicts_while_decoding:
-        raise ConfigError(
-            f"{field}: {owner.name} evicts while decoding, and a token cannot be evicted from quantized storage "
-            f"exactly (KIVI packs keys in groups of tokens); expected None, or a method that compresses the prompt "
-            f"once: one of {prompt_once_methods()} (as configured by default)")
-    if owner.scoring().reconstructs:  # the pass runs in kvcompress.compress_prompt over EvictionCaches only
-        raise ConfigError(
-            f"{field}: {owner.scoring().name} selects after a reconstruction pass over the prompt, which a "
-            f"composed cache does not run (not built yet); expected None, or one of {prompt_once_methods()}")
-    return config
+from .base import CompressedCache
+from .eviction.base import PAD, Eviction, EvictionCache
 
 
 def compose(config: Eviction, model, caches: list) -> None:
@@ -230,6 +162,11 @@ class ComposedCache(CompressedCache):
     def empty(self):
         return self.eviction is not None and self.eviction.empty()
 
+    def attach(self, layer) -> None:
+        if self.eviction is not None:
+            self.eviction.attach(layer)
+        self.store.attach(layer)
+
     # -- what it holds --------------------------------------------------------------------------
 
     @property
@@ -293,3 +230,6 @@ class ComposedCache(CompressedCache):
 
 # mlx-lm's load_prompt_cache looks cache classes up by name in mlx_lm.models.cache's globals.
 setattr(mlx_cache, "ComposedCache", ComposedCache)
+
+
+Eviction.compose = staticmethod(compose)  # Eviction.make_cache calls it where `quantize` is set

@@ -72,6 +72,7 @@ ARCHIVES = {
     "quality-frontier-h200-2026-12-05.tar.xz": Archive("kv-frontier", "c1d564c", H200, "2026-12-05", "H200 12-05"),
     "quality-kvzip-h200-2026-12-05.tar.xz": Archive("kv-results", "c023458", H200, "2026-12-05", "H200 12-05"),
     "quality-kvzip-cpu-2026-12-05.tar.xz": Archive("kv-results", "84cbc0e", CPU, "2026-12-05", "CPU 12-05"),
+    "quality-ea-epsilon-cpu-2026-12-07.tar.xz": Archive("kv-results", "17509a5", CPU, "2026-12-07", "CPU 12-07"),
 }
 
 VERDICTS = {"worse": "W", "better": "B", "not distinguishable": "n.d."}
@@ -229,6 +230,7 @@ TABLES = {
     "quality-frontier": Table(QUALITY, ("quality-frontier-h200-2026-12-05.tar.xz",), single(quality_tables.pivot)),
     "kvzip-h200": Table(QUALITY, ("quality-kvzip-h200-2026-12-05.tar.xz",), single(quality_tables.pivot)),
     "kvzip-cpu": Table(QUALITY, ("quality-kvzip-cpu-2026-12-05.tar.xz",), single(quality_tables.pivot)),
+    "ea-epsilon": Table(QUALITY, ("quality-ea-epsilon-cpu-2026-12-07.tar.xz",), single(quality_tables.pivot)),
     "ceiling": Table(QUALITY, ("quality-h200-2026-11-30.tar.xz",), ceiling),
     "protocols": Table(QUALITY, EVERY_METHOD, protocols_resolved),
     "evidence": Table(QUALITY, EVERY_METHOD, evidence_table),

@@ -23,7 +23,9 @@ A spec (YAML file, built-in name or dict):
 Axes are per method, so a tau schedule multiplies keyformer cells only and bits multiply
 quantizer cells only. An axis whose values are mappings sets several parameters together (a tau
 schedule), except on an axis named after a parameter whose values are mappings: `quantize: [null,
-{name: kivi, bits: 4}]` gives an eviction method's cells without and with a quantizer (methods/composed.py).
+{name: kivi, bits: 4}]` gives an eviction method's cells without and with a quantizer (methods/composed.py),
+`scorer: [snapkv, {name: expected_attention, epsilon: 0.0}]` a delegating method's cells over two
+configured scorers (methods/delegating.py).
 A shard is one dataset sample with every method cell: one prefill serves them all.
 
 The spec is a pydantic model: the structure (keys, types) is checked when it is parsed, with
@@ -63,8 +65,8 @@ from .speed import SpeedModel, measurement_config
 
 GRIDS_DIR = Path(__file__).parent / "grids"
 # Parameters whose value may itself be a mapping (an eviction method's quantizer, a delegating method's
-# scorer with its parameters): an axis named after
-# one takes its mappings as values, not as several parameters set together
+# scorer with its parameters): an axis named after one takes its mappings as values, not as several
+# parameters set together
 MAPPING_PARAMS = ("quantize", "scorer")
 
 # Runs (samples x method cells x protocols; a speed grid's measurements) a grid may expand to unless its
@@ -124,7 +126,7 @@ class MethodAxis(_Strict):
     grid: dict[str, _list_of(Any)] = Field(
         default_factory=dict,
         description="axis name -> values; a mapping value sets several parameters together (a tau schedule), "
-                    "except on the quantize axis, whose values are quantizer configs")
+                    "except on the quantize and scorer axes, whose values are quantizer / scorer configs")
 
     def cells(self) -> list[dict[str, Any]]:
         """Parameter dicts of every cell: fixed params updated by one value of each axis."""

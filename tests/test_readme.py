@@ -73,3 +73,8 @@ def test_readme_example_runs(index, readme_results, monkeypatch, capsys):
 
         rows = connect("results").sql(code).fetchall()
         assert rows, f"readme-test SQL block {index} returned no rows on the README sweep"
+
+
+def test_the_readme_stays_a_front_door():
+    # issue 51: at most 250 lines; detail belongs in docs/
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250

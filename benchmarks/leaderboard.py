@@ -210,7 +210,8 @@ def render(blocks: dict[tuple, list[Row]], manifests: list[dict]) -> str:
             press = KVPRESS_NAMES.get(r.method) if "quantize" not in r.config else None
             theirs = [f"{kvpress[(m, press, round(r.ratio, 3))][0]:.1f}"
                       if press and r.ratio and (m, press, round(r.ratio, 3)) in kvpress else "-" for m in reference_models]
-            out.append(f"| {r.config} | {ratio_label(r.ratio)} | "
+            shown = r.config.replace(f" protocol={protocol}", "")  # the block's heading says it
+            out.append(f"| {shown} | {ratio_label(r.ratio)} | "
                        + (f"{r.kv_ratio:.3f}" if r.kv_ratio is not None else "-") + " | "
                        + " | ".join(summary + cells + theirs) + " |")
         for m in reference_models:

@@ -124,10 +124,12 @@ class Eviction(Method):
         check(recent_ok, f"{n}.recent", "a token count >= 0 or a budget fraction in [0, 1)", self.recent)
         check(is_int(self.n_sink) and self.n_sink >= 0, f"{n}.n_sink", "an int >= 0", self.n_sink)
         check(self.positions in POSITION_MODES, f"{n}.positions", f"one of {POSITION_MODES}", self.positions)
-        if is_int(self.budget):  # a token budget must leave a scored token whatever the prompt: checked now
+        if is_int(self.budget):  # a token budget is checked now, a fraction once the prompt is known
             _, recent = self._budget_and_recent(self.budget)
+            # it must leave a scored token at any prompt its protected window does not cover
             if shortfall := self.window_shortfall(self.budget + self.n_sink + recent + 2):
                 raise ConfigError(shortfall)
+            self.resolve(self.budget)  # a subclass's own checks (decoding's target_size)
 
     @property
     def evicts_while_decoding(self) -> bool:

@@ -68,3 +68,21 @@ def budget_tokens(prompt_cache: list) -> float | None:
     if not capacities or any(c is None for c in capacities):
         return None
     return sum(capacities) / len(capacities)
+
+
+def layer_quantized_tokens(cache) -> int | None:
+    """Tokens one layer holds as codes (None: a layer that quantizes nothing by design)."""
+    if isinstance(cache, CompressedCache):
+        return cache.quantized_tokens
+    if isinstance(cache, QuantizedKVCache):
+        return cache.offset  # mlx-lm's quantizes every token on arrival
+    return None
+
+
+def quantized_tokens(prompt_cache: list) -> int | None:
+    """Tokens held as codes (a key, a value or both quantized) per quantizing layer, the mean over
+    those layers, rounded, as `tokens_kept`; None where no layer quantizes (eviction, the full cache).
+    0: a quantizer that holds every token in its full-precision window (a short prompt, or a
+    composed cache whose kept tokens fit it): the bytes are a full-precision cache's."""
+    counts = [n for n in map(layer_quantized_tokens, prompt_cache) if n is not None]
+    return round(sum(counts) / len(counts)) if counts else None

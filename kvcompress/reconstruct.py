@@ -94,10 +94,13 @@ def compress_prompt(model, tokenizer, cache: list, prompt: list[int]) -> list:
     for a method that reconstructs (KVzip) the reconstruction pass runs here, which mlx-lm's
     generate cannot run. Then generate from `cache` with the tokens that follow the prompt (a
     question, or just the next one): mlx-lm feeds them through the compressed cache. Returns `cache`.
-    Other methods compress as in generate: the prompt in chunks, its last token alone."""
-    reconstructing = any(isinstance(c, EvictionCache) and c.scorer.reconstructs for c in cache)
-    if len(prompt) < 2:
-        raise ValueError(f"compress_prompt: expected a prompt of at least 2 tokens, got {len(prompt)}")
+    Other methods compress as in generate: the prompt in chunks, its last token alone; so does KVzip
+    where its budget covers the prompt (nothing to score: kept whole, `Eviction.resolve`)."""
+    if not prompt:
+        raise ValueError("compress_prompt: expected a prompt of at least 1 token, got none")
+    T = len(prompt)
+    reconstructing = any(isinstance(c, EvictionCache) and c.scorer.reconstructs
+                         and c.config.resolve(T, c.layer, c.n_layers)[0] < T for c in cache)
     # a one-token call ends a prompt (the eviction base): a reconstructing method's must not come alone
     last = len(prompt) if reconstructing else len(prompt) - 1
     bounds = sorted({*range(0, last, PREFILL_CHUNK), last})

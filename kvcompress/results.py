@@ -61,6 +61,10 @@ RUNS_SCHEMA = pa.schema(
         ("live_kv_bytes", pa.int64()),  # resident KV bytes after the last decode step
         ("full_kv_bytes", pa.int64()),  # the full cache's, same tokens
         ("tokens_kept", pa.int64()),
+        # tokens held as codes right after the prompt was compressed, per quantizing layer (the mean
+        # over them, as tokens_kept); NULL for a method that quantizes nothing by design, and in
+        # results written before the column; 0: everything inside a full-precision window
+        ("quantized_tokens", pa.int64()),
         ("peak_memory_bytes", pa.int64()),  # MLX peak during the run: weights and shared caches included
         ("method_peak_bytes", pa.int64()),  # the method's own peak above the run's shared baseline
         ("decode_steps", pa.int64()),  # teacher-forced steps: the reference answer's tokens

@@ -52,7 +52,7 @@ from . import attention, datasets
 from .adapter import native_cache
 from .evidence import depth as evidence_depth
 from .evidence import layer_rows as evidence_rows
-from .memory import budget_tokens, live_kv_bytes, tokens_kept
+from .memory import budget_tokens, live_kv_bytes, quantized_tokens, tokens_kept
 from .methods.base import Method
 from .metrics import step_metrics
 from .reconstruct import ReconstructionPrompt, reconstruct, reconstruction_prompt
@@ -531,6 +531,12 @@ def run_method(model, tokenizer, sample: dict, method: Method, context: RunConte
         caches, first_logits = compress(model, method.for_run(ref.budget, ref.steps), ref, protocol, base)
         row["prefill_s"] = ref.prefill_s + time.perf_counter() - start
         row["budget_tokens"] = budget_tokens(caches)
+        row["quantized_tokens"] = quantized_tokens(caches)
+        if row["quantized_tokens"] == 0 and getattr(method, "quantize", None) is not None:
+            warnings.warn(f"{row['config_label']} on sample {sample['id']!r}: the quantizer holds none of the "
+                          f"{tokens_kept(caches)} tokens per layer kept after the prompt as codes (all inside its "
+                          f"full-precision window), so this run is the eviction's alone in more bytes "
+                          f"(runs.quantized_tokens = 0)", stacklevel=2)
         full_kv = [snapshot(c) for c in ref.prefilled]
         evidence = evidence_rows(caches, full_kv, ref.evidence, "compressed")
         # the free-running answer starts from the same compressed prompt: copy it, do not re-derive

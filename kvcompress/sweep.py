@@ -483,17 +483,17 @@ def _too_big(runs: int, what: str, max_runs: int) -> list[str]:
 
 def _budgets_fit(configs: list[Method], lengths: set[int]) -> list[str]:
     """A fractional budget too small for a method's protected tokens at a grid context (down to 1/32
-    of a 1k prompt is 32 tokens: SnapKV's window alone) fails every run: say so before any. The
-    context (prompt + answer budget) bounds the prompt, so what fails here fails there."""
+    of a 1k prompt is 32 tokens: SnapKV's window alone) would hold more than its budget in every run
+    (the cache keeps the window and one scored token, `Eviction.resolve`), so the cell would not be
+    the point it is labelled: say so before any. The context (prompt + answer budget) bounds the
+    prompt, so what falls short here falls short there."""
     errors = []
     for config in configs:
-        if not isinstance(getattr(config, "budget", None), float) or not hasattr(config, "resolve"):
+        if not isinstance(getattr(config, "budget", None), float) or not hasattr(config, "window_shortfall"):
             continue
         for length in sorted(lengths):
-            try:
-                config.resolve(length)
-            except ConfigError as exc:
-                errors.append(f"methods ({config.label()}) at context_tokens {length}: {exc}")
+            if shortfall := config.window_shortfall(length):
+                errors.append(f"methods ({config.label()}) at context_tokens {length}: {shortfall}")
                 break
     return errors
 

@@ -98,7 +98,8 @@ SECTIONS = [  # (element id, title, note)
      "Over every task of the sweep (the task filter does not apply)."),
     ("pareto", "Quality vs memory Pareto front",
      "Per dataset and context length (every task of the dataset); outlined points are on the front, "
-     "which is computed over every config of the cell, whatever the filters show."),
+     "which is computed over every config of the cell, whatever the filters show. A quantizer that held no "
+     "token as codes (\"quantizes nothing\") is the unquantized config's point and never on the front."),
     ("throughput", "Throughput vs KV memory (speed sweeps)",
      "Per model and context length, each cache's decode tok/s (sequences x steps a second, median over the "
      "rounds, bars: min-max) against the KV its batch holds; under a KV budget each cache runs the largest "

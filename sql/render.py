@@ -169,6 +169,8 @@ def screen(con, sweep_id: str) -> list:
             mark = NOT_DISTINGUISHABLE if diff.get("vs_full") == "not distinguishable" else " "
             versus = _number(diff.get("diff_vs_full"), "+.2f") + mark
         on_front = (r["dataset"], r["context_tokens"], r["config_label"]) in front
+        if r["quantizes_nothing"]:  # not a point of its own (summary.sql)
+            config += " (quantizes nothing)"
         out.add_row(f"{ON_FRONT if on_front else ' '} {config}", task,
                     *([str(r["context_tokens"])] if several else []), str(r["runs"]),
                     _number(r["score_mean"], ".2f") + ci, versus, _number(r["kl_mean"], ".2g"),

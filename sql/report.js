@@ -402,7 +402,7 @@ function pareto() {
                opacity: members.map(r => (r.on_front ? 1 : 0.55)),
                line: {color: "#000", width: members.map(r => (r.on_front ? 1.5 : 0))}},
       x: members.map(r => r.live_kv_bytes / 2 ** 20), y: members.map(r => r.score_mean),
-      text: members.map(r => `${r.config_label}${r.on_front ? " (on the front)" : ""}`),
+      text: members.map(r => `${r.config_label}${r.on_front ? " (on the front)" : ""}${r.note ? ` (${r.note})` : ""}`),
       hovertemplate: "%{text}<br>%{x:.3g} MiB, score %{y:.3f}<extra></extra>",
     }));
     const front = DATA.pareto.filter(r => r.on_front && cellOfPareto(r) === cellOfPareto(cell[0]))

@@ -57,6 +57,9 @@ SELECT o.* EXCLUDE (config_label),
        nullif(array_to_string([e.key || ' ' || e.value FOR e IN
            map_entries(CAST(json_extract(o.config, '$.kernels') AS MAP(VARCHAR, VARCHAR)))], ', '), '') AS kernel_paths,
        o.live_kv_bytes / nullif(o.full_kv_bytes, 0) AS kv_ratio_to_full,
+       -- a quantizer that held no token as codes after the prompt (all in its full-precision window):
+       -- its numbers are the unquantized cache's, in more bytes; NULL where nothing quantizes by design
+       o.quantized_tokens = 0 AS quantizes_nothing,
        coalesce(o.config_label,  -- written by the runner; rebuilt from the grid columns otherwise
                 concat_ws(' ', o.method,
                           'budget=' || printf('%g', o.budget),
@@ -84,7 +87,9 @@ WITH cells AS (
            avg(kv_ratio_to_full) AS kv_ratio_to_full,
            avg(decode_tok_s) AS decode_tok_s,
            -- runs of one config that took different paths (two machines) list each, ' | ' between
-           string_agg(DISTINCT kernel_paths, ' | ' ORDER BY kernel_paths) AS kernels
+           string_agg(DISTINCT kernel_paths, ' | ' ORDER BY kernel_paths) AS kernels,
+           -- every run of the cell quantized nothing (NULL: a config that quantizes nothing by design)
+           bool_and(quantizes_nothing) AS quantizes_nothing
     FROM run_scores
     GROUP BY sweep_id, method, budget, bits, tau_init, tau_end, protocol, config_label, dataset, task, context_tokens
 )

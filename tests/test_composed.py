@@ -15,7 +15,7 @@ import kvcompress
 from kvcompress import load_dataset
 from kvcompress.attention import reference_attention
 from kvcompress.errors import ConfigError
-from kvcompress.memory import live_kv_bytes
+from kvcompress.memory import live_kv_bytes, quantized_tokens, tokens_kept
 from kvcompress.methods import ComposedCache, method_config
 from kvcompress.methods.eviction.base import PAD
 from kvcompress.runner import RunContext, decode_step, derive_cache, method_identity, prefill, run_config, run_sample
@@ -29,24 +29,30 @@ def test_the_config_names_both_and_configs_without_it_keep_their_identity():
     plain = method_config("snapkv", budget=0.5)
     composed = method_config("snapkv", budget=0.5, quantize=KIVI4)
     assert plain.label() == "snapkv budget=0.5"
-    assert composed.label() == "snapkv budget=0.5 + kivi bits=4"
+    # a store's residual is one group by default (KIVI's own 128 would hold a budget's tokens whole)
+    assert composed.label() == "snapkv budget=0.5 + kivi bits=4 residual=32"
     assert method_config("adakv", quantize={"name": "turboquant", "bits": 3, "qjl": False}).label() == \
         "adakv budget=0.5 + turboquant bits=3 qjl=False"
     # the run id hashes the full quantizer config; without one the identity is what it was
     assert method_identity(plain) == {"name": "snapkv", "budget": 0.5, "recent": 32, "kernel": 7, "pooling": "max"}
     assert method_identity(composed)["quantize"] == {"name": "kivi", "bits": 4, "key_bits": None, "value_bits": None,
-                                                      "group_size": 32, "residual": 128, "residual_policy": "paper"}
+                                                      "group_size": 32, "residual": 32, "residual_policy": "paper"}
     two_bits = method_config("snapkv", budget=0.5, quantize={"name": "kivi", "bits": 2})
     assert len({json.dumps(method_identity(c), sort_keys=True) for c in (plain, composed, two_bits)}) == 3
     assert method_config(**composed.to_dict()) == composed  # rebuilds (the prompt-cache files rely on it)
-    assert method_config("snapkv", quantize=method_config("kivi", bits=4)) == method_config("snapkv", quantize=KIVI4)
+    # a config object is taken as it is; a mapping gets the store's defaults where it sets none
+    assert method_config("snapkv", quantize=method_config("kivi", bits=4)) == \
+        method_config("snapkv", quantize={**KIVI4, "residual": 128})
+    assert method_config("snapkv", quantize=method_config("kivi", bits=4, residual=32)) == method_config("snapkv", quantize=KIVI4)
+    assert method_config("snapkv", quantize={**KIVI4, "group_size": 64}).quantize.residual == 64
+    assert method_config("kivi").residual == 128 and method_config("qjl").buffer == 128  # alone: the papers'
     assert composed.grid_columns() == {"budget": 0.5, "bits": 4.0, "tau_init": None, "tau_end": None}
     assert method_config("snapkv", quantize={"name": "kivi", "key_bits": 4, "value_bits": 2}).grid_columns()["bits"] == 3.0
     with_qjl = method_config("snapkv", budget=0.5, quantize={"name": "qjl", "value_bits": 4})
-    assert with_qjl.label() == "snapkv budget=0.5 + qjl value_bits=4"
+    assert with_qjl.label() == "snapkv budget=0.5 + qjl value_bits=4 buffer=32"
     assert method_identity(with_qjl)["quantize"] == {
         "name": "qjl", "sketch_dim": 256, "outlier_sketch_dim": 256, "initial_layers": 15, "initial_sketch_dim": 512,
-        "initial_outlier_sketch_dim": 128, "outliers": 8, "value_bits": 4, "group_size": 32, "buffer": 128, "seed": 0}
+        "initial_outlier_sketch_dim": 128, "outliers": 8, "value_bits": 4, "group_size": 32, "buffer": 32, "seed": 0}
     assert method_config(**with_qjl.to_dict()) == with_qjl
     assert with_qjl.grid_columns()["bits"] is None  # as plain QJL's: keys have no code width
 
@@ -87,7 +93,7 @@ def test_every_method_that_compresses_once_composes():
     assert prompt_once_methods() == ["adakv", "criticalkv", "expected_attention", "keydiff", "knorm", "pyramidkv",
                                      "random", "snapkv"]
     for name in prompt_once_methods():
-        assert method_config(name, quantize=KIVI4).label().endswith(" + kivi bits=4")
+        assert method_config(name, quantize=KIVI4).label().endswith(" + kivi bits=4 residual=32")
 
 
 # -- the embedded model: the runner's path (one full prefill, each cache derived from it) ------------
@@ -123,9 +129,9 @@ def _kl(p_log, q_log) -> float:
 @pytest.mark.parametrize("quantize", [KIVI4, TQ3, QJL])
 def test_at_budget_one_the_composed_cache_is_the_plain_quantizer(embedded, essay, quantize):
     model = essay[0]
-    q = dict(quantize)
-    plain, plain_lp = _decode(model, method_config(q.pop("name"), **q), essay)
-    composed, composed_lp = _decode(model, method_config("snapkv", budget=1.0, quantize=quantize), essay)
+    config = method_config("snapkv", budget=1.0, quantize=quantize)
+    plain, plain_lp = _decode(model, config.quantize, essay)  # the quantizer as the store is configured
+    composed, composed_lp = _decode(model, config, essay)
     np.testing.assert_array_equal(composed_lp, plain_lp)
     # the same store, plus the kept positions [3 heads, 512 + 4] int32 of each of the 30 layers
     positions = 30 * 3 * 512 * 4
@@ -155,6 +161,28 @@ def test_the_quantizer_keeps_the_eviction_and_holds_fewer_bytes_than_either(embe
     # quantizing the kept tokens moves the logits by about what quantizing them all does
     assert _kl(evicted_lp, composed_lp) < 3 * _kl(full_lp, kivi_lp) + 1e-3, (_kl(evicted_lp, composed_lp),
                                                                             _kl(full_lp, kivi_lp))
+
+
+def test_by_default_the_store_quantizes_the_kept_tokens(embedded, essay):
+    """Issue 48: SnapKV keeping 96 tokens into KIVI with its own 128-token residual quantized none of
+    them (the eviction's numbers, a few bytes less, reported as a point of its own). The store's
+    default residual, one group, quantizes them; `quantized_tokens` says how many a layer holds."""
+    model, prefilled = essay[0], essay[1]
+
+    def after_prompt(name, **params):
+        return derive_cache(model, method_config(name, **params), prefilled)
+
+    alone = after_prompt("snapkv", budget=0.25)
+    composed = after_prompt("snapkv", budget=0.25, quantize=KIVI4)
+    kept = tokens_kept(alone)
+    assert kept == tokens_kept(composed) and 32 < kept <= 128
+    # the paper's policy with a 32-token residual: keys in whole groups of 32, values all but the last 32
+    assert quantized_tokens(composed) == kept - kept % 32
+    assert all(c.quantized_tokens == quantized_tokens(composed) for c in composed)
+    assert live_kv_bytes(composed) < 0.5 * live_kv_bytes(alone)
+    whole = after_prompt("snapkv", budget=96, quantize={**KIVI4, "residual": 128})
+    assert quantized_tokens(whole) == 0 and quantized_tokens(alone) is None
+    assert live_kv_bytes(whole) > 0.95 * live_kv_bytes(after_prompt("snapkv", budget=96))
 
 
 # -- a random model: attention against a reference over what the store holds ------------------------
@@ -289,14 +317,20 @@ def test_a_run_writes_rows_that_name_both(embedded):
     model, tokenizer = embedded
     params = {"context_tokens": 256, "num_samples": 1, "seed": 0}
     sample = load_dataset("passkey", tokenizer=tokenizer, **params)[0]
-    methods = [method_config("snapkv", budget=0.5), method_config("snapkv", budget=0.5, quantize=KIVI4)]
+    nothing = method_config("snapkv", budget=64, quantize={**KIVI4, "residual": 128})  # 64 kept: all residual
+    methods = [method_config("snapkv", budget=0.5), method_config("snapkv", budget=0.5, quantize=KIVI4), nothing]
     context = RunContext("smollm2-135m", "fp", "passkey", params, None)  # the whole reference answer
-    plain, composed, plain_agnostic, agnostic = run_sample(model, tokenizer, sample, methods, context,
-                                                           protocols=("query_aware", "query_agnostic"))
+    with pytest.warns(UserWarning, match=r"snapkv budget=64 \+ kivi bits=4 on sample .*: the quantizer holds none of "
+                                         r"the 64 tokens per layer kept after the prompt as codes") as warned:
+        plain, composed, unquantized, plain_agnostic, agnostic, _ = run_sample(
+            model, tokenizer, sample, methods, context, protocols=("query_aware", "query_agnostic"))
+    assert sum("quantizer holds none" in str(w.message) for w in warned) == 2  # one per protocol, that config's only
+    assert plain.run["quantized_tokens"] is None and unquantized.run["quantized_tokens"] == 0
+    assert composed.run["quantized_tokens"] >= composed.run["budget_tokens"] - 32 > 0  # all but part of a group
     # query-agnostic: the question part is appended to the store in one multi-token call
-    assert agnostic.run["status"] == "ok" and agnostic.run["config_label"].endswith("+ kivi bits=4 protocol=query_agnostic")
+    assert agnostic.run["status"] == "ok" and agnostic.run["config_label"].endswith("+ kivi bits=4 residual=32 protocol=query_agnostic")
     assert composed.run["status"] == "ok", composed.run["error"]
-    assert composed.run["config_label"] == "snapkv budget=0.5 + kivi bits=4"
+    assert composed.run["config_label"] == "snapkv budget=0.5 + kivi bits=4 residual=32"
     assert (composed.run["budget"], composed.run["bits"]) == (0.5, 4.0)
     assert json.loads(composed.run["config"])["method"]["quantize"]["bits"] == 4
     assert composed.run["run_id"] != plain.run["run_id"]

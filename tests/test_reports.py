@@ -888,3 +888,56 @@ def test_summary_and_screen_show_each_configs_kernel_paths(tmp_path):
     assert text.endswith("kernels (path per config, from config.kernels; a line per set of paths):\n"
                          "  kivi bits=2: kivi_decode_attention/cpu/float32 fused, kivi_quantize_pack/cpu/float32 reference\n"
                          "  kivi bits=2: kivi_decode_attention/cuda/float16 fused, kivi_quantize_pack/cuda/float16 fused")
+
+
+def test_a_quantizer_that_quantized_nothing_is_labelled_and_off_the_front(tmp_path):
+    """Issue 48, item 5: SnapKV 25% + KIVI with a 128-token residual on a 512-token prompt keeps 96
+    tokens, all in full precision: the eviction's score in a few bytes less. The reports say so and keep
+    it off the front (it would push SnapKV alone off); results written before runs.quantized_tokens
+    read it as NULL."""
+    import pyarrow as pa
+
+    from kvcompress.results import RUNS_SCHEMA, write_table
+    from kvcompress_reports import connect, run_report
+    from tests.test_results import make_run
+
+    root = str(tmp_path / "results")
+    label_nothing, label_quantized = "snapkv budget=0.25 + kivi bits=4 residual=128", "snapkv budget=0.25 + kivi bits=4"
+    cells = [  # (method, config_label, budget, bits, score, live bytes, quantized_tokens)
+        ("full", "full", None, None, 1.0, 4000, None),
+        ("snapkv", "snapkv budget=0.25", 0.25, None, 0.5, 1000, None),
+        ("snapkv", label_nothing, 0.25, 4.0, 0.5, 999, 0),
+        ("snapkv", label_quantized, 0.25, 4.0, 0.4, 400, 64),
+    ]
+    for i, (method, label, budget, bits, score, live, quantized) in enumerate(cells):
+        for sample in ("s0", "s1"):
+            run = make_run(f"r{i}{sample}", method, score, live, full=4000, sample_id=sample, budget=budget, bits=bits,
+                           config_label=label, quantized_tokens=quantized)
+            write_run(root, "new", method, run, [], [])
+    old_schema = pa.schema([f for f in RUNS_SCHEMA if f.name != "quantized_tokens"])
+    old = make_run("old", "kivi", 0.5, 500, config_label="kivi bits=2", bits=2.0)
+    write_table(root, "runs/sweep_id=old/method=kivi", "old",
+                pa.Table.from_pylist([{k: v for k, v in old.items() if k in old_schema.names}], schema=old_schema))
+
+    con = connect(root)
+    columns, rows = run_report(con, "pareto")
+    front = {r["config_label"]: r for r in (dict(zip(columns, row)) for row in rows) if r["sweep_id"] == "new"}
+    assert front[label_nothing]["on_front"] is False and front[label_nothing]["note"] == "quantizes nothing"
+    assert front["snapkv budget=0.25"]["on_front"] is True  # not dominated by its own points in more bytes
+    assert front[label_quantized]["on_front"] is True and front[label_quantized]["note"] is None
+    assert [r for r in front.values() if r["on_front"]] == [front[label_quantized], front["snapkv budget=0.25"],
+                                                          front["full"]]
+    columns, rows = run_report(con, "summary")
+    summary = {(r["sweep_id"], r["config_label"]): r["quantizes_nothing"] for r in (dict(zip(columns, row)) for row in rows)}
+    assert summary == {("new", "full"): None, ("new", "snapkv budget=0.25"): None, ("new", label_nothing): True,
+                       ("new", label_quantized): False, ("old", "kivi bits=2"): None}
+
+    # a root of older results only: no file has the column
+    old_root = str(tmp_path / "old")
+    write_table(old_root, "runs/sweep_id=old/method=kivi", "old",
+                pa.Table.from_pylist([{k: v for k, v in old.items() if k in old_schema.names}], schema=old_schema))
+    con = connect(old_root)
+    for report in ("summary", "pareto"):
+        columns, rows = run_report(con, report)
+        assert len(rows) == 1 and dict(zip(columns, rows[0]))["config_label"] == "kivi bits=2", report
+    assert con.execute("SELECT quantized_tokens FROM runs").fetchall() == [(None,)]

@@ -161,8 +161,9 @@ def test_quantize_in_params_and_as_an_axis_multiplies_budget_by_quantizer():
         {"name": "adakv", "params": {"quantize": {"name": "turboquant", "bits": 3}}},
     ]})
     labels = [c.label() for c in axes.method_configs()]
-    assert labels == ["snapkv budget=0.25", "snapkv budget=0.25 + kivi bits=4", "snapkv budget=0.25 + kivi bits=2",
-                      "snapkv budget=0.5", "snapkv budget=0.5 + kivi bits=4", "snapkv budget=0.5 + kivi bits=2",
+    k4, k2 = "kivi bits=4 residual=32", "kivi bits=2 residual=32"  # a store's window: one group by default
+    assert labels == ["snapkv budget=0.25", f"snapkv budget=0.25 + {k4}", f"snapkv budget=0.25 + {k2}",
+                      "snapkv budget=0.5", f"snapkv budget=0.5 + {k4}", f"snapkv budget=0.5 + {k2}",
                       "adakv budget=0.5 + turboquant bits=3"]
     shard = axes.shards()[0]
     assert type(shard).from_dict(json.loads(json.dumps(shard.to_dict()))).methods == shard.methods  # Prefect's edge

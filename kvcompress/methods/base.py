@@ -85,6 +85,12 @@ class Method:
         """This method's cache for `layer`, the i-th of the n layers it compresses."""
         raise NotImplementedError
 
+    @classmethod
+    def store_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """A quantizer's `params` as the store of an eviction method's kept tokens (`quantize`,
+        methods/composed.py), with the defaults it takes there where they differ from its own."""
+        return params
+
     def for_run(self, answer_budget: int, answer_tokens: int | None = None) -> "Method":
         """This config for a run that may generate `answer_budget` tokens (max_new_tokens) and, where
         known, generates `answer_tokens` (the reference answer): Keyformer anneals tau over one of
@@ -209,6 +215,13 @@ class CompressedCache(_BaseCache):
     @property
     def tokens_kept(self) -> int:
         raise NotImplementedError
+
+    @property
+    def quantized_tokens(self) -> int | None:
+        """Tokens per row held as codes (a key, a value or both quantized); None for a cache that
+        quantizes nothing by design (eviction, the full cache). A quantizer's full-precision window
+        holds the rest of `tokens_kept`."""
+        return None
 
     @property
     def nbytes(self) -> int:

@@ -33,9 +33,17 @@ takes any mask; QJL's attention is a masked softmax over its codes). A padding s
 its row's last kept token, so KIVI's per-channel key groups and the outlier channels QJL picks per
 group of 32 tokens see kept tokens' values only (the copies weigh the last one more).
 
-The store quantizes the handed-over rows by its own rules, as it would a prompt of that length:
-QJL quantizes keys in whole buffers (the last n mod 128 kept keys stay full precision) and values
-once older than the last 128; its layers' sketch sizes go by the compressed-layer index, as
+The store quantizes the handed-over rows by its own rules, as it would a prompt of that length,
+with one default of its own where the quantizer's would quantize nothing (issue 48): a
+full-precision window of one group (`store_params`). KIVI's paper residual of 128 tokens, and
+QJL's 128-token buffer, hold a budget's kept tokens whole up to 128 (SnapKV at 25% of a 512-token
+prompt keeps 96: no token quantized, the eviction's numbers in more bytes); given as a mapping
+without `residual` (KIVI) or `buffer` (QJL), the store's is `group_size` (32): KIVI then codes the
+kept keys in whole groups and all values but the newest group, QJL its keys in whole buffers of 32
+and values once older than the last 32. A `residual` / `buffer` given, or a quantizer config object,
+is taken as it is. `quantized_tokens` says how many tokens a layer holds as codes (the runner
+records it, runs.quantized_tokens, and warns when it is 0 after the prompt; the reports mark such
+a config, sql/pareto.sql). QJL's layers' sketch sizes go by the compressed-layer index, as
 without eviction (by default the first 15 layers: 512 / 128 bits).
 
 Resident bytes: the quantizer cache's arrays (codes, scales, norms, residual) plus the kept prompt
@@ -173,6 +181,13 @@ class ComposedCache(CompressedCache):
     def tokens_kept(self) -> int:
         """Tokens held per row (padding slots count: they are resident)."""
         return self.eviction.tokens_kept if self.eviction is not None else self.store.tokens_kept
+
+    @property
+    def quantized_tokens(self) -> int:
+        """Tokens per row the store holds as codes (0 before the hand-over). 0 after it: every kept
+        token fits the quantizer's full-precision window, so this layer holds what the eviction
+        alone would, in more bytes (the store's defaults avoid it: `quantizer_config`)."""
+        return 0 if self.eviction is not None else self.store.quantized_tokens
 
     @property
     def live_kv_bytes(self) -> int:

@@ -139,6 +139,8 @@ def quantizer_config(owner: Eviction, value: Any) -> Method | None:
         if "name" not in value:
             raise ConfigError(f"{field}.name: expected one of {sorted(allowed)}, got no name in {value!r}")
         params = {k: v for k, v in value.items() if k != "name"}
+        if value["name"] in allowed:  # a store's own defaults (KIVI's residual: one group), where unset
+            params = allowed[value["name"]].store_params(params)
         try:
             config = build(f"{field}.name", allowed, value["name"], params)
         except ConfigError as exc:
@@ -196,8 +198,12 @@ class Eviction(Method):
         check(recent_ok, f"{n}.recent", "a token count >= 0 or a budget fraction in [0, 1)", self.recent)
         check(is_int(self.n_sink) and self.n_sink >= 0, f"{n}.n_sink", "an int >= 0", self.n_sink)
         check(self.positions in POSITION_MODES, f"{n}.positions", f"one of {POSITION_MODES}", self.positions)
-        if is_int(self.budget):
-            self.resolve(self.budget)  # a token budget is checked now, a fraction once the prompt is known
+        if is_int(self.budget):  # a token budget is checked now, a fraction once the prompt is known
+            _, recent = self._budget_and_recent(self.budget)
+            # it must leave a scored token at any prompt its protected window does not cover
+            if shortfall := self.window_shortfall(self.budget + self.n_sink + recent + 2):
+                raise ConfigError(shortfall)
+            self.resolve(self.budget)  # a subclass's own checks (decoding's target_size)
 
     @property
     def evicts_while_decoding(self) -> bool:
@@ -234,18 +240,34 @@ class Eviction(Method):
     # -- budget --------------------------------------------------------------------------------
 
     def resolve(self, prompt_tokens: int, layer: int = 0, n_layers: int = 1) -> tuple[int, int]:
-        """(capacity, recent) in tokens for one layer; ConfigError when no scored slot is left."""
-        capacity = budget_tokens(self.budget, prompt_tokens)
-        recent = round(self.recent * capacity) if isinstance(self.recent, float) else self.recent
-        if capacity <= self.n_sink + recent:
-            raise ConfigError(
-                f"{self.name}.budget: expected more tokens than n_sink + recent = {self.n_sink} + {recent} "
-                f"(room for at least one scored token), got {self.budget!r} = {capacity} tokens"
-                + (f" of a {prompt_tokens}-token prompt" if isinstance(self.budget, float) else "")
-            )
+        """(capacity, recent) in tokens for one layer.
+
+        The protected tokens (the first `n_sink` and the newest `recent`) are always kept, with room
+        for at least one scored token (an evicting step needs one it may drop): a fractional budget
+        that resolves to no more than them (a short prompt) is raised to n_sink + recent + 1 tokens.
+        So a prompt the budget or the protected window covers is kept whole, never refused (kvpress
+        treats these as no compression); `window_shortfall` says where a budget is raised (a sweep
+        refuses such cells up front, kvcompress/sweep.py)."""
+        capacity, recent = self._budget_and_recent(prompt_tokens)
+        capacity = max(capacity, self.n_sink + recent + 1)
         if capacity >= prompt_tokens:  # nothing to compress in any layer (as PyramidKV's code)
             return capacity, recent
         return self.layer_capacity(capacity, recent, layer, n_layers, prompt_tokens), recent
+
+    def _budget_and_recent(self, prompt_tokens: int) -> tuple[int, int]:
+        capacity = budget_tokens(self.budget, prompt_tokens)
+        return capacity, round(self.recent * capacity) if isinstance(self.recent, float) else self.recent
+
+    def window_shortfall(self, prompt_tokens: int) -> str:
+        """Why the budget leaves no scored token beside the protected ones at a prompt of
+        `prompt_tokens` ("" where it leaves one, or where the protected window covers the prompt):
+        `resolve` then keeps more than the budget."""
+        capacity, recent = self._budget_and_recent(prompt_tokens)
+        if capacity > self.n_sink + recent or self.n_sink + recent + 1 >= prompt_tokens:
+            return ""
+        return (f"{self.name}.budget: expected more tokens than n_sink + recent = {self.n_sink} + {recent} "
+                f"(room for at least one scored token), got {self.budget!r} = {capacity} tokens"
+                + (f" of a {prompt_tokens}-token prompt" if isinstance(self.budget, float) else ""))
 
     def layer_capacity(self, capacity: int, recent: int, layer: int, n_layers: int, prompt_tokens: int) -> int:
         """Layer-wise budgets (PyramidKV) override this; the mean over layers stays `capacity`, and
@@ -680,7 +702,9 @@ class EvictionCache(CompressedCache):
         self.capacity, self.recent = self.config.resolve(self.prompt_len, self.layer, self.n_layers)
         self.held_limit, self.answer_start = self.capacity, self.position
         scorer = self.scorer
-        if scorer.decode in ("replace", "grow"):
+        # a "grow" method that keeps the whole prompt needs no scores (nor KVzip its reconstruction)
+        whole = self.config.decode == "grow" and self.length <= self.capacity
+        if scorer.decode in ("replace", "grow") and not whole:
             self._scores = scorer.score_prompt(self, self.keys, self.query_summary)
         self.query_summary = None
         if self.length > self.capacity:

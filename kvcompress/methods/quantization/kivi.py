@@ -68,6 +68,14 @@ class Kivi(PerSideBits, Method):
             check(ok, "kivi.residual", f"a positive multiple of group_size ({self.group_size}) with residual_policy='paper'",
                   self.residual)
 
+    @classmethod
+    def store_params(cls, params):
+        # A store gets a prompt already cut to its budget, which the paper's 128-token residual may
+        # hold whole (SnapKV at 25% of a 512-token prompt keeps 96 tokens: nothing quantized, the
+        # eviction's bytes and numbers; issue 48). One group instead: the handed-over keys are codes
+        # up to a whole group, the values all but the newest group; the paper's policy otherwise.
+        return {"residual": params.get("group_size", cls.group_size), **params}
+
     def layer_cache(self, layer, i, n, layout):
         if layer.head_dim % self.group_size or layer.value_dim % self.group_size:
             raise ConfigError(
@@ -239,6 +247,11 @@ class KiviCache(CompressedCache):
     @property
     def tokens_kept(self) -> int:
         return self.offset
+
+    @property
+    def quantized_tokens(self) -> int:
+        # keys and values leave the residual at different times: a token counts once either is codes
+        return max(self.n_keys_quantized, self.n_values_quantized)
 
     @property
     def live_kv_bytes(self) -> int:

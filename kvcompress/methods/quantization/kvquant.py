@@ -426,6 +426,10 @@ class KVQuantCache(CompressedCache):
         return self.offset
 
     @property
+    def quantized_tokens(self) -> int:
+        return self.n_coded  # the sinks and the residual stay in full precision
+
+    @property
     def live_kv_bytes(self) -> int:
         # the used code rows (rows allocated ahead hold no token), calibration, outliers, sinks, residual
         rows = self._used().values() if self.rows is not None else ()

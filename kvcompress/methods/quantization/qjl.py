@@ -107,6 +107,11 @@ class Qjl(Method):
               f"a positive multiple of group_size ({self.group_size})", self.buffer)
         check(is_int(self.seed), "qjl.seed", "an int", self.seed)
 
+    @classmethod
+    def store_params(cls, params):
+        # as KIVI's (kivi.py): a 128-token buffer could hold a budget's kept tokens whole, unquantized
+        return {"buffer": params.get("group_size", cls.group_size), **params}
+
     def make_cache(self, model) -> list:
         install()  # the caches attend over their codes themselves
         return super().make_cache(model)
@@ -321,6 +326,11 @@ class QjlCache(CodesCache):
     @property
     def tokens_kept(self) -> int:
         return self.offset
+
+    @property
+    def quantized_tokens(self) -> int:
+        # keys leave the buffer in whole buffers, values one by one: a token counts once either is codes
+        return max(self.n_keys, self.n_values)
 
     def _held(self) -> dict[str, mx.array]:
         """Every array held for the tokens held (the used rows of the buffers), by name."""

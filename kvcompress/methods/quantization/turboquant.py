@@ -400,6 +400,10 @@ class TurboQuantCache(CodesCache):
     def tokens_kept(self) -> int:
         return self.offset
 
+    @property
+    def quantized_tokens(self) -> int:
+        return self.offset  # codes on arrival (the call's own tokens are seen exactly, then dropped)
+
     def _channels(self) -> list[mx.array]:
         return [side.high for side in (self.key_side, self.value_side) if side.high is not None]
 

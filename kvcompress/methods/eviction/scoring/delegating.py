@@ -75,6 +75,9 @@ class Delegating(Eviction):
     def resolve(self, prompt_tokens: int, layer: int = 0, n_layers: int = 1) -> tuple[int, int]:
         return self.scoring().resolve(prompt_tokens, layer, n_layers)
 
+    def window_shortfall(self, prompt_tokens: int) -> str:
+        return self.scoring().window_shortfall(prompt_tokens)
+
     @property
     def n_sink(self) -> int:
         return self.scoring().n_sink

@@ -30,10 +30,10 @@ def prefect_api():
     (Prefect's own ephemeral server outlives a `kill -9` of its parent). A configured server on this
     machine that does not answer (`make demo` stopped the one it started) also gets a temporary one:
     nothing else could answer there, and a local sweep needs no particular server."""
-    from kvcompress_flows.local_server import LocalServer, healthy, is_loopback
+    from kvcompress_flows.local_server import LocalServer, healthy, is_loopback_url
 
     configured = os.environ.get("PREFECT_API_URL")
-    if configured and not (is_loopback(configured) and not healthy(configured)):
+    if configured and not (is_loopback_url(configured) and not healthy(configured)):
         check_api_auth(configured)
         yield configured
         return

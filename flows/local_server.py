@@ -67,10 +67,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def is_loopback(api_url: str) -> bool:
+def is_loopback_url(api_url: str) -> bool:
     """Whether `api_url` names a server on this machine's loopback interface."""
-    host = urllib.parse.urlparse(api_url).hostname or ""
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+    return is_loopback(urllib.parse.urlparse(api_url).hostname or "")
 
 
 def healthy(api_url: str, timeout: float = 2.0) -> bool:

@@ -5,6 +5,7 @@ bit packing of codes of any width that TurboQuant, QJL and KVQuant store."""
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
 import numpy as np
 
 from ...errors import check
@@ -81,6 +82,14 @@ class CodesCache(CompressedCache):
         if attends_on_codes(queries, self.dims[0], sinks):
             return self.attention_on_codes(queries, fresh_k, fresh_v, scale, mask, sinks)
         return self.prefill_attention(queries, fresh_k, fresh_v, scale, mask, sinks)
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        # every token is held, in order: plain causal over offset + N keys
+        return mlx_cache.create_attention_mask(N, self.offset, return_array, window_size)
+
+    @property
+    def tokens_kept(self) -> int:
+        return self.offset
 
 
 def dequantized_blocks(dequantize, start: int, end: int, dtype: mx.Dtype) -> list[mx.array]:

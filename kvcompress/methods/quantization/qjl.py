@@ -320,13 +320,6 @@ class QjlCache(CodesCache):
         codes, scales, zeros = (self.value_codes[name][:, :, start:end] for name in VALUE_NAMES)
         return mx.dequantize(codes, scales, zeros, group_size=self.group_size, bits=self.value_bits).astype(mx.float32)
 
-    def make_mask(self, N, return_array=False, window_size=None):
-        return mlx_cache.create_attention_mask(N, self.offset, return_array, window_size)
-
-    @property
-    def tokens_kept(self) -> int:
-        return self.offset
-
     @property
     def quantized_tokens(self) -> int:
         # keys leave the buffer in whole buffers, values one by one: a token counts once either is codes

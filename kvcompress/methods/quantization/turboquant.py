@@ -393,13 +393,6 @@ class TurboQuantCache(CodesCache):
         """Keys and values [B, H, T, D] as attention sees them (keys with the QJL term's expectation)."""
         return self.key_side.dequantize(self.arrays, self.offset), self.value_side.dequantize(self.arrays, self.offset)
 
-    def make_mask(self, N, return_array=False, window_size=None):
-        return mlx_cache.create_attention_mask(N, self.offset, return_array, window_size)
-
-    @property
-    def tokens_kept(self) -> int:
-        return self.offset
-
     @property
     def quantized_tokens(self) -> int:
         return self.offset  # codes on arrival (the call's own tokens are seen exactly, then dropped)

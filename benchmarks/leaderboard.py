@@ -45,6 +45,7 @@ SWEEP = "leaderboard"
 RESAMPLES = 10_000
 SEED = 0
 ALPHA = 0.05
+MIN_N = 10  # below this many samples per task a block is flagged as no verdict
 
 # our method name -> kvpress's press name (evaluation/evaluate_registry.py)
 KVPRESS_NAMES = {"random": "random", "streaming": "streaming_llm", "knorm": "knorm", "h2o": "observed_attention",
@@ -173,7 +174,7 @@ def render(blocks: dict[tuple, list[Row]], manifests: list[dict]) -> str:
            "`n.d.` not distinguishable at 0.05); bytes: resident KV bytes / the full cache's, measured.", ""]
     for m in manifests:
         out.append(f"- archive `{m.get('archive')}`: commit {m.get('commit')}, {m.get('date')}, {m.get('device')}, "
-                   f"MLX {m.get('mlx')}, {m.get('workers')} processes")
+                   f"MLX {m.get('mlx')}, worker processes: {m.get('workers')}")
     for (model, protocol, context), rows in sorted(blocks.items()):
         full = next((r for r in rows if r.method == "full"), None)
         tasks = sorted({t for r in rows for t in r.scores})
@@ -185,6 +186,10 @@ def render(blocks: dict[tuple, list[Row]], manifests: list[dict]) -> str:
         stats = {r.config: stratified_diff(r, tasks) for r in complete}
         adjusted = dict(zip(stats, holm([s[3] for s in stats.values()])))
         ns = {t: max(len(r.scores.get(t, [])) for r in rows) for t in tasks}
+        if max(ns.values()) < MIN_N:
+            out += [f"**n < {MIN_N} per task**: too few samples for any verdict (a single sample's interval is a "
+                    "point, and Holm's correction leaves nothing significant); this block shows that the pipeline "
+                    "runs on this model, not a ranking.", ""]
         header = ["config", "ratio", "bytes", "average", "Δ full [95% CI]", "Holm p", "verdict",
                   *[f"{t} (n≤{ns[t]})" for t in tasks], *[f"kvpress {m.split('/')[-1]}" for m in reference_models]]
         out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -113,7 +113,7 @@ def progress_bar(runs: int | None = None):
 
 def cmd_sweep(args) -> int:
     spec = load_spec(args.grid)  # parsed once: the flow gets this object, not the name
-    if args.max_runs is not None:
+    if getattr(args, "max_runs", None) is not None:  # `eval` builds its grid without the flag
         spec = spec.model_copy(update={"max_runs": args.max_runs})
     if args.sweep_id is not None:
         validate_sweep_id(args.sweep_id, "--sweep-id")

@@ -189,6 +189,8 @@ def sequence_footprint(model, make: Callable[[], list], T: int, chunk: int = PRE
     prefill's activations (the chunk's logits, MLP) do not grow with T, its KV and any scores over the
     keys grow linearly, so two lengths past a chunk give both parts without a T-token prefill."""
     lengths = sorted({min(T, chunk + 1), min(T, 2 * chunk + 1)})
+    if any(_keeps_more_than_its_budget(make, L) for L in lengths):
+        return _prefill_footprint(model, make, T)  # protected tokens fill the short lengths: not linear there
     try:
         measured = [_prefill_footprint(model, make, L) for L in lengths]
     except ConfigError:  # a budget with no room at the short lengths (protected tokens): measured at T
@@ -199,6 +201,13 @@ def sequence_footprint(model, make: Callable[[], list], T: int, chunk: int = PRE
     # a slope below zero (a fixed-size cache, allocator noise) is taken as flat
     extend = lambda at1, at2: at2 + max(0, at2 - at1) * (T - L2) // (L2 - L1)  # noqa: E731
     return extend(peak1, peak2), extend(kv1, kv2)
+
+
+def _keeps_more_than_its_budget(make: Callable[[], list], T: int) -> bool:
+    """Whether an eviction cache would keep more than its budget at a T-token prompt (its protected
+    window leaves no scored token: `resolve` raises the budget, so bytes there do not scale to T)."""
+    config = next((c.config for c in make() if hasattr(getattr(c, "config", None), "window_shortfall")), None)
+    return config is not None and bool(config.window_shortfall(T))
 
 
 def _prefill_footprint(model, make: Callable[[], list], T: int) -> tuple[int, int]:

@@ -321,7 +321,7 @@ def test_the_demo_script_shows_a_deployment_runs_progress_and_why_it_failed(depl
                           env=deployed, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr
     assert (f"ended Failed: Flow run encountered an exception: SweepError: grid: expected a YAML file or one of "
-            f"['default', 'nightly', 'smoke', 'speed-cpu', 'speed-h200'], got 'tiny.yaml' (a relative path is read "
+            f"['default', 'leaderboard', 'nightly', 'smoke', 'speed-cpu', 'speed-h200'], got 'tiny.yaml' (a relative path is read "
             f"from the directory of the process that runs the flow, {ROOT}, then KVCOMPRESS_HOME={ROOT}: pass an "
             f"absolute path)") in done.stdout, done.stdout[-3000:]
     done = subprocess.run([*script, "--param", f"grid={tmp_path / 'tiny.yaml'}", "--param", f"results={results}"],

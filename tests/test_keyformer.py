@@ -1,25 +1,19 @@
 """Keyformer and H2O's own parts (config, tau schedule, noise); the eviction base is tested for
 every method in tests/test_eviction.py."""
 
+import re
+
 import kvcompress  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-from mlx_lm.generate import generate_step, stream_generate
-from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache
+from mlx_lm.generate import stream_generate
 
-from kvcompress.attention import install
 from kvcompress.errors import ConfigError
-from kvcompress.methods.eviction.base import EvictionCache
 from kvcompress.methods.eviction.h2o import H2O
 from kvcompress.kernels.counter_hash import gumbel_noise
 from kvcompress.methods.eviction.keyformer import Keyformer
 
-BASE = 20000.0  # an unusual RoPE base: a hard-coded 10000 anywhere would break these tests
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,12 +58,13 @@ def test_h2o_has_its_own_knobs_and_columns():
     assert Keyformer.needs_queries and H2O.needs_queries
 
 
-def test_fractional_budget_too_small_for_the_prompt_is_rejected_before_work():
+def test_fractional_budget_too_small_for_the_prompt_keeps_the_window_and_says_so():
+    # issue 48: a prompt the protected window nearly covers is kept (window + one scored token), never
+    # refused mid-generate; the sweep refuses such a cell before work through window_shortfall
     cfg = Keyformer(budget=0.1, n_sink=4, recent=4)
-    cache = EvictionCache(cfg, 0, 1, 2, 8, nn.RoPE(8, base=BASE), 8**-0.5)
-    k = mx.zeros((1, 2, 50, 8))
-    with pytest.raises(ConfigError, match=r"keyformer\.budget.*50-token prompt"):
-        cache.from_prefill(k, k, mx.zeros((1, 4, 50, 8)))
+    assert cfg.resolve(50) == (9, 4)
+    assert re.search(r"keyformer\.budget.*50-token prompt", cfg.window_shortfall(50))
+    assert cfg.window_shortfall(1000) == ""
     assert cfg.resolve(1000) == (100, 4)
     assert Keyformer().resolve(1000) == (600, 180)  # paper defaults: 60% of the prompt, w = 30%
 

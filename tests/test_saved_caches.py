@@ -48,7 +48,9 @@ def test_every_saved_file_is_a_case():
     assert sorted(p.name.removesuffix(".safetensors") for p in SAVED.glob("*.safetensors")) == sorted(CASES)
 
 
-@pytest.mark.parametrize("stem", sorted(CASES))
+# TurboQuant's rotations became independent per-layer draws the same day (issue 48): its old file is
+# refused with the reason (its codes need the old rotations), tested below
+@pytest.mark.parametrize("stem", sorted(set(CASES) - {"turboquant"}))
 def test_a_cache_saved_before_the_families_loads_and_decodes_as_one_built_now(tiny_llama, stem):
     method, params, class_name = CASES[stem]
     loaded = kvcompress.load_prompt_cache(str(SAVED / f"{stem}.safetensors"), tiny_llama)
@@ -62,6 +64,11 @@ def test_a_cache_saved_before_the_families_loads_and_decodes_as_one_built_now(ti
         a = tiny_llama(mx.array([[token]]), cache=built)
         b = tiny_llama(mx.array([[token]]), cache=loaded)
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), stem
+
+
+def test_a_turboquant_cache_saved_with_the_old_rotations_is_refused_with_the_reason(tiny_llama):
+    with pytest.raises(ValueError, match="saved before 2026-12-07.*re-create it"):
+        kvcompress.load_prompt_cache(str(SAVED / "turboquant.safetensors"), tiny_llama)
 
 
 def test_saving_again_reproduces_the_file_layout(tiny_llama, tmp_path):

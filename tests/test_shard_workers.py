@@ -22,7 +22,7 @@ from s3_server import BUCKET
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = [sys.executable, "-m", "prefect"]
-DOCS = [(ROOT / name).read_text() for name in ("README.md", "docs/many-machines.md")]
+DOCS = [(ROOT / "docs" / "many-machines.md").read_text()]  # the recipe (the README points to it)
 POOL = "kvcompress-shards"
 # two shards (one per sample) of two runs each
 GRID = {"name": "machines", "decode_steps": 2, "datasets": [{"name": "passkey", "context_tokens": [256], "num_samples": 2}],
@@ -56,7 +56,7 @@ def shard_deployment(prefect_server):
 
 
 def start_worker(machine: Machine, name: str) -> None:
-    """The worker command of the README and docs/many-machines.md, on `machine`, until the server lists it online."""
+    """The worker command of docs/many-machines.md, on `machine`, until the server lists it online."""
     command = ["prefect", "worker", "start", "--pool", POOL, "--limit", "1"]
     assert all(f".venv/bin/{' '.join(command)}" in doc for doc in DOCS)
     machine.start([sys.executable, "-m", *command, "--name", name], until=lambda: name in online_workers())

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import kvcompress
 from kvcompress.memory import tokens_kept
 from kvcompress.methods import REGISTRY, method_config
-from kvcompress.methods.composed import quantizers
+from kvcompress.methods.eviction.base import quantizers
 from kvcompress.methods.decoding import Decoding
 from kvcompress.methods.duoattention import DuoAttention
 from kvcompress.methods.eviction import Eviction

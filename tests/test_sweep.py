@@ -225,7 +225,7 @@ def test_gguf_models_in_a_grid(tmp_path, monkeypatch):
     assert load_spec({**qwen, "datasets": [{"name": "passkey", "context_tokens": [16384], "num_samples": 2}]}).shards()
     with pytest.raises(SweepError, match=r"context_tokens: expected at most 32768 \(the context window of qwen2.5-coder-1.5b\)"):
         load_spec({**qwen, "datasets": [{"name": "passkey", "context_tokens": [40000], "num_samples": 2}]}).shards()
-    with pytest.raises(SweepError, match="model: name_or_path: expected an existing GGUF file"):
+    with pytest.raises(SweepError, match="model: expected an existing GGUF file"):
         load_spec({**GRID, "model": str(tmp_path / "missing.gguf")}).shards()
     path = tmp_path / "tiny.gguf"
     tiny_model(path, "qwen2", np.random.default_rng(0))

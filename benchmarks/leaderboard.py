@@ -92,6 +92,8 @@ def rows_by_block(runs: list[dict]) -> dict[tuple, list[Row]]:
             bytes_ratio[(block, r["config_label"])].append(r["live_kv_bytes"] / r["full_kv_bytes"])
     for block, rows in blocks.items():
         for row in rows.values():
+            for samples in row.scores.values():
+                samples.sort()  # by sample id: DuckDB's row order varies, the seeded resampling must not
             ratios = bytes_ratio.get((block, row.config))
             row.kv_ratio = float(np.mean(ratios)) if ratios else None
             if row.ratio is None and row.kv_ratio and row.method != "full":

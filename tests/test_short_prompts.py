@@ -15,11 +15,11 @@ import kvcompress
 from kvcompress.memory import tokens_kept
 from kvcompress.methods import REGISTRY, method_config
 from kvcompress.methods.eviction.base import quantizers
-from kvcompress.methods.decoding import Decoding
-from kvcompress.methods.duoattention import DuoAttention
+from kvcompress.methods.eviction.decoding import Decoding
+from kvcompress.methods.eviction.duoattention import DuoAttention
 from kvcompress.methods.eviction import Eviction
 from kvcompress.methods.full import Full
-from kvcompress.methods.kivi import Kivi
+from kvcompress.methods.quantization.kivi import Kivi
 
 PROMPTS = (1, 2, 5, 8)
 STEPS = 3  # generated tokens per run

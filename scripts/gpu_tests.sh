@@ -16,8 +16,9 @@ pytest="python3 -m pytest -q -p no:cacheprovider --noconftest -p model_fixtures 
 export PYTHONPATH="$PWD/tests:$PYTHONPATH"
 export MLX_ENABLE_TF32=0
 # The groups, each alone measured on an H100 (2026-12-07): kernels ~260 s (TurboQuant 59 s + KIVI/evict/
-# dispatch 201 s); four at once did not finish in 500 s. A device call is at most 10 minutes, so the groups
-# named on the command line run at once, and the default is two calls' worth:
+# dispatch 201 s); four at once did not finish in 500 s; two at once on an H100 (2026-12-08): kernels +
+# eviction 369 s, scoring + scored 364 s. A device call is at most 10 minutes, so the groups named on
+# the command line run at once, and the default is two calls' worth:
 #   call 1: bash scripts/gpu_tests.sh kernels eviction      call 2: bash scripts/gpu_tests.sh scoring scored
 groups=${*:-kernels eviction}
 limit=${GPU_TESTS_TIMEOUT:-540}
@@ -27,7 +28,8 @@ run_group() {
                tests/test_evict_gpu.py tests/test_evict.py tests/test_dispatch.py -k "not run_config" ;;
     eviction) $pytest tests/test_eviction.py tests/test_streaming_ring.py ;;
     scoring) $pytest tests/test_prompt_scores.py tests/test_keyformer.py tests/test_qjl.py \
-               --deselect tests/test_keyformer.py::test_embedded_model_stream_generate_drop_in ;;
+               --deselect tests/test_keyformer.py::test_embedded_model_stream_generate_drop_in \
+               --deselect tests/test_qjl.py::test_qjl_on_the_embedded_model_more_sketch_bits_track_the_full_cache_closer ;;
     scored) $pytest tests/test_scored_attention.py ;;
     *) echo "gpu_tests.sh: unknown group $1 (kernels, eviction, scoring, scored)"; return 2 ;;
   esac

@@ -98,8 +98,17 @@ def test_evict_slot_fused_is_bit_exact(R, n):
         assert same([got], [kernel.evict_slot_reference(evict_by, positions, n_sink, recent_start)]), (R, n, n_sink)
 
 
+@pytest.fixture
+def kernels_rebuilt_after():
+    """The kernel caches emptied when the test ends, before its monkeypatches are undone: a kernel built
+    from a patched source must not serve the tests after it (on the H100 it failed test_evict.py's
+    self-test that ran next)."""
+    yield
+    dispatch.clear_kernel_caches()
+
+
 @needs_gpu
-def test_evict_slot_dispatch_uses_the_fused_kernel_and_falls_back_on_a_broken_one(monkeypatch):
+def test_evict_slot_dispatch_uses_the_fused_kernel_and_falls_back_on_a_broken_one(monkeypatch, kernels_rebuilt_after):
     evict_by, positions = slot_case(8, 500, seed=5)
     want = kernel.evict_slot_reference(evict_by, positions, 2, 1200)
     monkeypatch.delenv(dispatch.ENV, raising=False)

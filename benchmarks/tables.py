@@ -60,6 +60,7 @@ class Table:
 
 H200 = "H200, MLX 0.32.4 CUDA, SmolLM2-135M fp32, 24 processes"
 CPU = "this project's 2-core CPU, SmolLM2-135M fp32"
+TOKENIZER = "this project's CPU, the embedded tokenizer only"
 ARCHIVES = {
     "quality-h200-2026-11-30.tar.xz": Archive("kv-results", "6e3d71c", H200, "2026-11-30", "H200 11-30"),
     "quality-adakv-cpu-2026-11-30.tar.xz": Archive("kv-results", "63cc09c", CPU, "2026-11-30", "CPU 11-30 (AdaKV safeguard)"),
@@ -73,6 +74,7 @@ ARCHIVES = {
     "quality-kvzip-h200-2026-12-05.tar.xz": Archive("kv-results", "c023458", H200, "2026-12-05", "H200 12-05"),
     "quality-kvzip-cpu-2026-12-05.tar.xz": Archive("kv-results", "84cbc0e", CPU, "2026-12-05", "CPU 12-05"),
     "quality-ea-epsilon-cpu-2026-12-07.tar.xz": Archive("kv-results", "17509a5", CPU, "2026-12-07", "CPU 12-07"),
+    "ruler-niah-single-3-features-cpu-2026-12-07.jsonl.xz": Archive("", "b955f2d", TOKENIZER, "2026-12-07", "12-07"),
 }
 
 VERDICTS = {"worse": "W", "better": "B", "not distinguishable": "n.d."}
@@ -220,6 +222,12 @@ def ruler_parity(sources: list) -> str:
     return parity.table(sources[0], list(parity.OFFLINE_TASKS))
 
 
+def niah_single_3(sources: list) -> str:
+    import ruler_parity as parity
+
+    return parity.features_table(sources[0], sources[1])
+
+
 QUALITY = "benchmarks/QUALITY.md"
 EVERY_METHOD = ("quality-fixes-h200-2026-12-03.tar.xz", "quality-adakv-cpu-2026-11-30.tar.xz",
                 "quality-keyformer-cpu-2026-11-30.tar.xz", "quality-h200-2026-11-30.tar.xz")
@@ -235,6 +243,8 @@ TABLES = {
     "protocols": Table(QUALITY, EVERY_METHOD, protocols_resolved),
     "evidence": Table(QUALITY, EVERY_METHOD, evidence_table),
     "ruler-parity": Table(QUALITY, ("ruler-parity-cpu-2026-12-03.jsonl.xz",), ruler_parity),
+    "niah-single-3": Table(QUALITY, ("ruler-niah-single-3-features-cpu-2026-12-07.jsonl.xz",
+                                     "ruler-parity-cpu-2026-12-03.jsonl.xz"), niah_single_3),
     "speed-h200": Table("docs/speed.md", ("speed-h200-2026-12-05.tar.xz",), throughput),
 }
 

@@ -61,6 +61,11 @@ def label(config: dict) -> str:
     return " ".join([config["name"], *(f"{k}={v}" for k, v in config.items() if k != "name")])
 
 
+def key(config: dict) -> str:
+    """A config's identity, whatever the order of its parameters."""
+    return json.dumps(config, sort_keys=True)
+
+
 def by_bits(columns: list) -> list[dict]:
     return [dict(config, bits=b) for _, config, bits in columns for b in bits]
 
@@ -72,7 +77,7 @@ def measurements(seeds: int, quick: bool) -> list[tuple[str, dict, int]]:
     plan = [("passkey", config, seed) for config in SEEDED for seed in range(seeds)]
     plan += [("passkey", config, 0) for config in by_bits(KVQUANT)]
     plan += [(f"essay-{i}", config, 0) for i in range(ESSAYS) for config in by_bits(ESSAY_COLUMNS)]
-    return list({(p, label(c), s): (p, c, s) for p, c, s in plan}.values())  # each once
+    return list({(p, key(c), s): (p, c, s) for p, c, s in plan}.values())  # each once
 
 
 def run(path: Path, seeds: int, quick: bool) -> None:
@@ -117,26 +122,27 @@ def seeds_table(path: Path) -> str:
     """TurboQuant and QJL on the pass-key prompt: KL median, min, max over the seeds; bytes vs full."""
     found: dict[str, list[dict]] = {}
     for r in rows(path):
-        if r["prompt"] == "passkey" and r["config"] in SEEDED:
-            found.setdefault(r["cache"], []).append(r)
+        if r["prompt"] == "passkey":
+            found.setdefault(key(r["config"]), []).append(r)
     lines = ["| cache | KL median | KL min | KL max | kv bytes vs full | seeds |", "| --- " * 6 + "|"]
-    for cache in (label(c) for c in SEEDED if label(c) in found):
-        kls = [r["kl"] for r in found[cache]]
-        ratio = found[cache][0]["kv_bytes"] / found[cache][0]["full_kv_bytes"]
-        lines.append(f"| {cache} | {statistics.median(kls):.3f} | {min(kls):.3f} | {max(kls):.3f} | {ratio:.3f} | "
+    for config in (c for c in SEEDED if key(c) in found):
+        runs = list({r["seed"]: r for r in found[key(config)]}.values())  # a seed measured twice counts once
+        kls = [r["kl"] for r in runs]
+        ratio = runs[0]["kv_bytes"] / runs[0]["full_kv_bytes"]
+        lines.append(f"| {label(config)} | {statistics.median(kls):.3f} | {min(kls):.3f} | {max(kls):.3f} | {ratio:.3f} | "
                      f"{len(kls)} |")
     return "\n".join(lines)
 
 
 def bits_table(path: Path, columns: list, prompts, cell) -> str:
     """Rows by bits, a column per cache config; `cell` writes a cell from its rows (one per prompt)."""
-    found: dict[str, list[dict]] = {}
+    found: dict[str, dict[str, dict]] = {}  # config -> prompt -> row
     for r in rows(path):
         if prompts(r["prompt"]) and r["seed"] == 0:
-            found.setdefault(r["cache"], []).append(r)
+            found.setdefault(key(r["config"]), {})[r["prompt"]] = r
     lines = ["| bits | " + " | ".join(header for header, _, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for bits in (2, 3, 4):
-        cells = [cell(found[label(dict(config, bits=bits))]) if bits in measured else ""
+        cells = [cell(list(found[key(dict(config, bits=bits))].values())) if bits in measured else ""
                  for _, config, measured in columns]
         lines.append(f"| {bits} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

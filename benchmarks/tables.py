@@ -75,6 +75,7 @@ ARCHIVES = {
     "quality-kvzip-cpu-2026-12-05.tar.xz": Archive("kv-results", "84cbc0e", CPU, "2026-12-05", "CPU 12-05"),
     "quality-ea-epsilon-cpu-2026-12-07.tar.xz": Archive("kv-results", "17509a5", CPU, "2026-12-07", "CPU 12-07"),
     "speed-cpu-2026-12-07.tar.xz": Archive("kv-speed-cpu", "8b5d02b", CPU, "2026-12-07", "CPU 12-07"),
+    "quantizer-kl-cpu-2026-12-07.jsonl.xz": Archive("", "18c2f0c", CPU, "2026-12-07", "CPU 12-07"),
     "workers-cpu-2026-12-07.jsonl.xz": Archive("", "18c2f0c", CPU, "2026-12-07", "CPU 12-07"),
     "ruler-niah-single-3-features-cpu-2026-12-07.jsonl.xz": Archive("", "b955f2d", TOKENIZER, "2026-12-07", "12-07"),
 }
@@ -284,6 +285,9 @@ TABLES = {
     "niah-single-3": Table(QUALITY, ("ruler-niah-single-3-features-cpu-2026-12-07.jsonl.xz",
                                      "ruler-parity-cpu-2026-12-03.jsonl.xz"), niah_single_3),
     "speed-h200": Table("docs/speed.md", ("speed-h200-2026-12-05.tar.xz",), throughput()),
+    "quantizer-kl-seeds": Table("docs/methods.md", ("quantizer-kl-cpu-2026-12-07.jsonl.xz",), quantizer_kl("seeds")),
+    "kvquant-kl": Table("docs/methods.md", ("quantizer-kl-cpu-2026-12-07.jsonl.xz",), quantizer_kl("kvquant")),
+    "kvquant-kl-essays": Table("docs/methods.md", ("quantizer-kl-cpu-2026-12-07.jsonl.xz",), quantizer_kl("essays")),
     "workers": Table("docs/many-machines.md", ("workers-cpu-2026-12-07.jsonl.xz",), workers),
     "speed-cpu": Table("docs/speed.md", ("speed-cpu-2026-12-07.tar.xz",), throughput(cpu=True)),
 }

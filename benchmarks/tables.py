@@ -76,6 +76,7 @@ ARCHIVES = {
     "quality-ea-epsilon-cpu-2026-12-07.tar.xz": Archive("kv-results", "17509a5", CPU, "2026-12-07", "CPU 12-07"),
     "speed-cpu-2026-12-07.tar.xz": Archive("kv-speed-cpu", "8b5d02b", CPU, "2026-12-07", "CPU 12-07"),
     "quantizer-kl-cpu-2026-12-07.jsonl.xz": Archive("", "18c2f0c", CPU, "2026-12-07", "CPU 12-07"),
+    "composition-cpu-2026-12-08.jsonl.xz": Archive("", "18c2f0c", CPU, "2026-12-08", "CPU 12-08"),
     "workers-cpu-2026-12-07.jsonl.xz": Archive("", "18c2f0c", CPU, "2026-12-07", "CPU 12-07"),
     "ruler-niah-single-3-features-cpu-2026-12-07.jsonl.xz": Archive("", "b955f2d", TOKENIZER, "2026-12-07", "12-07"),
 }
@@ -288,6 +289,7 @@ TABLES = {
     "quantizer-kl-seeds": Table("docs/methods.md", ("quantizer-kl-cpu-2026-12-07.jsonl.xz",), quantizer_kl("seeds")),
     "kvquant-kl": Table("docs/methods.md", ("quantizer-kl-cpu-2026-12-07.jsonl.xz",), quantizer_kl("kvquant")),
     "kvquant-kl-essays": Table("docs/methods.md", ("quantizer-kl-cpu-2026-12-07.jsonl.xz",), quantizer_kl("essays")),
+    "composition": Table("docs/methods.md", ("composition-cpu-2026-12-08.jsonl.xz",), composition),
     "workers": Table("docs/many-machines.md", ("workers-cpu-2026-12-07.jsonl.xz",), workers),
     "speed-cpu": Table("docs/speed.md", ("speed-cpu-2026-12-07.tar.xz",), throughput(cpu=True)),
 }

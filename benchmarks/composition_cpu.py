@@ -84,7 +84,8 @@ def main() -> None:
         path = args.jsonl or Path(tmp) / "composition.jsonl"
         if not args.table:
             run(path, args)
-        print(f"\n{args.context}-token essay prompts, {args.continuation} teacher-forced steps\n\n" + table(path))
+            print(f"\n{args.context}-token essay prompts, {args.continuation} teacher-forced steps")
+        print("\n" + table(path))
 
 
 if __name__ == "__main__":

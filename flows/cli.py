@@ -19,6 +19,7 @@ from kvcompress.methods import list_methods
 from kvcompress.results import check_root, default_root, quarantine, redact, scan, validate_sweep_id
 from kvcompress.sweep import SpeedPlan, SpeedSpec, grid_schema, load_spec
 from kvcompress_flows.dask_shards import validate_dask
+from kvcompress_flows.interrupt import remembered
 from kvcompress_flows.server_watch import exit_when_server_dies
 
 SCREEN_WIDTH = 120  # the one-screen report's width (kvcompress_reports.render.SCREEN_WIDTH)
@@ -133,7 +134,7 @@ def cmd_sweep(args) -> int:
         raise ConfigError("--dask runs the shards on Dask, --distribute on Prefect workers: choose one")
     check_root(args.results)  # before the model loads: a bad root fails here, once
     runs = None if args.distribute or args.dask else plan.runs
-    with prefect_api() as api, exit_when_server_dies(api), progress_bar(runs):
+    with remembered(), prefect_api() as api, exit_when_server_dies(api), progress_bar(runs):
         from kvcompress_flows.sweep import sweep
 
         sweep(grid=spec, results=args.results, sweep_id=args.sweep_id, distribute=args.distribute,

@@ -25,6 +25,7 @@ from kvcompress.errors import ConfigError
 from kvcompress.results import (check_root, configs_without_ok_run, default_root, finished_run_ids, redact,
                                 validate_sweep_id)
 from kvcompress.sweep import Shard, SweepSpec, load_spec
+from kvcompress_flows import interrupt
 from kvcompress_flows.dask_shards import run_on_dask, validate_dask
 from kvcompress_tasks.datasets import prepare_dataset
 from kvcompress_tasks.regression import regression_report
@@ -98,6 +99,7 @@ def sweep(
     loaded = []  # each dataset cell once (shards of one context length share it)
     for shard in shards:
         if (shard.dataset, shard.dataset_params) not in loaded:
+            interrupt.check()
             loaded.append((shard.dataset, shard.dataset_params))
             prepare_dataset(shard.dataset, shard.dataset_params, plan.model)
 
@@ -111,6 +113,7 @@ def sweep(
     else:
         held = []  # shards another launch of this sweep is running: theirs first, then wait for them
         for shard in shards:
+            interrupt.check()
             counts = run_shard(shard, **shard_args)
             if "leased_by" in counts:
                 held.append(shard)

@@ -41,15 +41,15 @@ KIVI_VARIANT = (2, 2, 32, 64, 3, 1, False)  # key/value bits, group size, head d
 TURBOQUANT_VARIANT = (3, 4, 64, 3, True)  # turboquant bits=4: key code bits, value bits, head dim, rows, QJL
 
 PROBES = (
-    Probe("evict_one", (False, False), lambda b, dt: evict._selftest(b, dt, False, False)),
-    Probe("evict_slot", (), lambda b, dt: evict._slot_selftest(b), dtype=mx.float32),
-    Probe("kivi_decode_attention", KIVI_VARIANT, lambda b, dt: kivi_attention._selftest(b, dt, KIVI_VARIANT), cpu=True),
-    Probe("kivi_quantize_pack", (2, 32, True), lambda b, dt: kivi_quant._selftest(b, dt, 2, 32, True)),
-    Probe("prompt_scores", (64, False), lambda b, dt: prompt_scores._selftest(b, dt, (64, False))),
+    Probe("evict_one", (False, False), lambda b, dt: evict.selftest(b, dt, False, False)),
+    Probe("evict_slot", (), lambda b, dt: evict.slot_selftest(b), dtype=mx.float32),
+    Probe("kivi_decode_attention", KIVI_VARIANT, lambda b, dt: kivi_attention.selftest(b, dt, KIVI_VARIANT), cpu=True),
+    Probe("kivi_quantize_pack", (2, 32, True), lambda b, dt: kivi_quant.selftest(b, dt, 2, 32, True)),
+    Probe("prompt_scores", (64, False), lambda b, dt: prompt_scores.selftest(b, dt, (64, False))),
     Probe("scored_attention", (3, 64, True, False, False),
-          lambda b, dt: scored_attention._selftest(b, dt, (3, 64, True, False, False))),
+          lambda b, dt: scored_attention.selftest(b, dt, (3, 64, True, False, False))),
     Probe("turboquant_decode_attention", TURBOQUANT_VARIANT,
-          lambda b, dt: turboquant_attention._selftest(b, *selftest_case(TURBOQUANT_VARIANT))),
+          lambda b, dt: turboquant_attention.selftest(b, *selftest_case(TURBOQUANT_VARIANT))),
 )
 
 

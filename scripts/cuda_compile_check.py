@@ -5,10 +5,10 @@ exits 1 if any does not compile. For kernels written away from the device (a ses
 is short): compile errors and register pressure show here first; tests/cuda_on_cpu.py checks
 their numbers on the CPU, and only a GPU checks their speed.
 
-Every kernel runs through its own dispatch self-test (kvcompress/kernels/*.py `_selftest`), with
-`mx.fast.cuda_kernel` replaced by a stand-in that compiles the kernel as MLX would declare it (an
-argument per input and output, the template) and returns zeros, and the self-tests' comparisons
-switched off: so the instantiations compiled are the ones a GPU's first calls would build.
+Every kernel runs through its own dispatch self-test (kvcompress/kernels/*.py `selftest`), inside
+`dispatch.compile_only`: a stand-in for `mx.fast.cuda_kernel` compiles the kernel as MLX would
+declare it (an argument per input and output, the template) and returns zeros, and the self-tests'
+comparisons are off: so the instantiations compiled are the ones a GPU's first calls would build.
 
     python scripts/cuda_compile_check.py [--arch sm_90]
 """
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the CP
 import kvcompress  # noqa: E402,F401  (BLAS preload before mlx)
 import mlx.core as mx  # noqa: E402
 
-from kvcompress.kernels import dispatch, evict, kivi_attention, kivi_attention_mma, kivi_quant  # noqa: E402
+from kvcompress.kernels import dispatch, evict, kivi_attention, kivi_quant  # noqa: E402
 from kvcompress.kernels import prompt_scores, scored_attention, turboquant_attention  # noqa: E402
 from kvcompress.methods.quantization.turboquant import selftest_case  # noqa: E402
 from cuda_on_cpu import template_parameters  # noqa: E402
@@ -138,42 +138,41 @@ def _name(dtype) -> str:
     return str(dtype).split(".")[-1]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="sm_90", help="sm_80 (A100), sm_90 (H100/H200), ...")
-    args = parser.parse_args()
-    compiler = Compiler(args.arch)
-    mx.fast.cuda_kernel = lambda **kwargs: CompileOnlyKernel(compiler, **kwargs)
-    dispatch.assert_close = dispatch.assert_equal = lambda *a, **k: None  # the stand-in returns zeros
-    for module in (evict, kivi_attention, kivi_attention_mma, kivi_quant, scored_attention, prompt_scores,
-                   turboquant_attention):
-        for cache in ("_kernels", "_slot_kernels"):
-            if hasattr(module, cache):
-                setattr(module, cache, {})
+def build_every_kernel() -> None:
+    """Every kernel instantiation a GPU's first calls build, through the kernels' own self-tests."""
     for dtype in (mx.float16, mx.bfloat16):
-        evict._selftest("cuda", dtype, True, False)
-        evict._selftest("cuda", dtype, False, True)
+        evict.selftest("cuda", dtype, True, False)
+        evict.selftest("cuda", dtype, False, True)
         for bits, per_channel in ((2, True), (4, False)):
-            kivi_quant._selftest("cuda", dtype, bits, 32, per_channel)
-        kivi_attention._selftest("cuda", dtype, (2, 2, 32, 128, 4, 1, False))
-        kivi_attention._selftest("cuda", dtype, (4, 4, 32, 128, 4, 1, False))
+            kivi_quant.selftest("cuda", dtype, bits, 32, per_channel)
+        kivi_attention.selftest("cuda", dtype, (2, 2, 32, 128, 4, 1, False))
+        kivi_attention.selftest("cuda", dtype, (4, 4, 32, 128, 4, 1, False))
         for variant in ((4, 128, True, False, False), (4, 128, False, False, False), (4, 128, True, True, True),
                         (8, 128, True, True, True), (4, 64, True, False, True), (2, 96, True, False, False)):
-            scored_attention._selftest("cuda", dtype, variant)
+            scored_attention.selftest("cuda", dtype, variant)
         for variant in ((128, False), (128, True), (64, False)):
-            prompt_scores._selftest("cuda", dtype, variant)
-    evict._slot_selftest("cuda")
+            prompt_scores.selftest("cuda", dtype, variant)
+    evict.slot_selftest("cuda")
     # TurboQuant bits 2 / 3 / 4 with QJL (1 / 2 / 3-bit key codes) and 4 without, at the documented shape
     # (D 128, 4 rows), and the largest (8 rows); its kernels take float32 queries whatever the model's dtype
     for variant in ((1, 2, 128, 4, True), (2, 3, 128, 4, True), (3, 4, 128, 4, True), (4, 4, 128, 4, False),
                     (3, 4, 128, 8, True), (2, 2, 64, 4, True)):
-        turboquant_attention._selftest("cuda", *selftest_case(variant))
+        turboquant_attention.selftest("cuda", *selftest_case(variant))
     for bits in (2, 4):  # KIVI's tensor-core kernel (fp16; the self-test builds the 2-bit one, 4-bit is opt-in)
         q, keys, values = kivi_attention.random_case(bits, bits, 32, 128, 4, 1, mx.float16)
         kivi_attention.decode_attention_fused(q, keys, values, 128**-0.5, False, bits, bits, 32, "cuda",
                                               tensor_cores=True)
     kivi_attention.decode_attention_fused(q, keys, values, 128**-0.5, False, 4, 4, 32, "cuda", tensor_cores=True,
                                           l2_prefetch=256)  # the prefetch hints' PTX
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90", help="sm_80 (A100), sm_90 (H100/H200), ...")
+    args = parser.parse_args()
+    compiler = Compiler(args.arch)
+    with dispatch.compile_only(lambda **kwargs: CompileOnlyKernel(compiler, **kwargs)):
+        build_every_kernel()
     width = max(len(r[1]) for r in compiler.rows)
     for _, instance, info in compiler.rows:
         print(f"{instance:<{width}}  {info}")

@@ -9,6 +9,7 @@ user's would; the endpoint from the URL options `endpoint_override` and `scheme`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
@@ -70,17 +71,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
+@contextlib.contextmanager
+def moto_server(log: Path, env: dict | None = None):
+    """A moto server on a free local port, up and answering: yields "127.0.0.1:PORT"; stopped on exit
+    (and on Linux when this process dies)."""
     from kvcompress_flows.local_server import free_port, stop_process_group
 
-    saved = {name: os.environ.get(name) for name in AWS_ENV}
-    os.environ.update(AWS_ENV)  # the usual variables: this process and every subprocess read them
     port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                              preexec_fn=_die_with_parent)
+                              preexec_fn=_die_with_parent, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -90,12 +90,22 @@ def s3_server(tmp_path_factory):
             except OSError:
                 assert server.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
-        s3 = S3Server(f"127.0.0.1:{port}")
-        s3.client().create_bucket(Bucket=BUCKET)
-        s3.client().put_bucket_versioning(Bucket=BUCKET, VersioningConfiguration={"Status": "Enabled"})
-        yield s3
+        yield f"127.0.0.1:{port}"
     finally:
         stop_process_group(server, grace_s=5)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    saved = {name: os.environ.get(name) for name in AWS_ENV}
+    os.environ.update(AWS_ENV)  # the usual variables: this process and every subprocess read them
+    try:
+        with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as endpoint:
+            s3 = S3Server(endpoint)
+            s3.client().create_bucket(Bucket=BUCKET)
+            s3.client().put_bucket_versioning(Bucket=BUCKET, VersioningConfiguration={"Status": "Enabled"})
+            yield s3
+    finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -24,6 +24,7 @@ from kvcompress.results import RUNS_SCHEMA, finished_run_ids, scan, write_run
 from kvcompress_reports import connect, run_report
 from tests.test_cli import kvcompress, one_line_error
 from tests.test_results import make_run, make_steps
+from s3_server import moto_server
 
 PART = ("sweep_id=sw", "method=full")
 
@@ -118,25 +119,9 @@ def test_a_full_disk_leaves_the_previous_html_report_whole(tmp_path):
 def s3_with_credential_checks(tmp_path_factory):
     """A second moto server that checks every request's credentials (it knows none, as a store
     knows none of a wrong secret)."""
-    from kvcompress_flows.local_server import free_port, stop_process_group
-
-    port = free_port()
     log = tmp_path_factory.mktemp("moto-auth") / "moto.log"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"})
-    import urllib.request
-
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2)
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-    yield f"127.0.0.1:{port}"
-    stop_process_group(server, grace_s=5)
+    with moto_server(log, env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as endpoint:
+        yield endpoint
 
 
 def test_report_with_a_wrong_secret_is_one_line(s3_with_credential_checks):

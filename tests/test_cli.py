@@ -354,6 +354,28 @@ def test_ctrl_c_ends_a_sweep_at_once_with_one_line(tmp_path):
     assert "Traceback" not in output and "Error logging to API" not in output
 
 
+def test_a_ctrl_c_that_the_flow_engine_swallows_still_ends_the_sweep():
+    """Seen under load: a Ctrl-C landing in Prefect's flow-run set-up was caught there and the sweep ran
+    to its end (exit 0). The CLI remembers it: the sweep's next step, or the flow's return, raises it."""
+    import signal
+
+    from kvcompress_flows import interrupt
+
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt.remembered():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler raises here, at once
+            except KeyboardInterrupt:
+                steps.append("swallowed")  # as the engine does
+            interrupt.check()  # the sweep's next step
+            steps.append("ran on")
+    assert steps == ["swallowed"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    interrupt.check()  # outside the block: forgotten
+
+
 @pytest.mark.parametrize("model, reason", [
     ("smollm2-360m", "not in the local Hugging Face cache"),  # a hub id: offline, only the cache can have it
     ("./models/no-such-dir", "no such file or directory"),

@@ -50,7 +50,7 @@ def test_failed_selftest_exits_nonzero_with_the_error(fresh_verdicts, monkeypatc
     def broken(*args):
         raise AssertionError("kivi_decode_attention self-test: relative L2 error 0.5 > 1e-05")
 
-    monkeypatch.setattr(kivi_attention, "_selftest", broken)
+    monkeypatch.setattr(kivi_attention, "selftest", broken)
     assert main(["doctor", "--quick"]) == 1
     out = capsys.readouterr().out
     assert ("kivi_decode_attention/float32    reference: self-test failed on cpu: AssertionError: "

@@ -110,7 +110,7 @@ def test_evict_slot_dispatch_uses_the_fused_kernel_and_falls_back_on_a_broken_on
     broken = kernel._SLOT_BODY.replace("slot_out[row] = best_slot[0];", "slot_out[row] = best_slot[0] + 1;")
     assert broken != kernel._SLOT_BODY
     monkeypatch.setattr(kernel, "_SLOT_BODY", broken)
-    monkeypatch.setattr(kernel, "_slot_kernels", {})
+    dispatch.clear_kernel_caches()  # rebuilt from the broken body
     dispatch.forget_verdicts()
     dispatch.reset_paths()
     with pytest.warns(RuntimeWarning, match="evict_slot .* failed its self-test"):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuda_on_cpu
-from kvcompress.kernels import evict, kivi_attention, kivi_attention_mma, kivi_quant, turboquant_attention
+from kvcompress.kernels import dispatch, evict, kivi_attention, kivi_attention_mma, kivi_quant, turboquant_attention
 from kvcompress.kernels import prompt_scores as prompt_kernels
 from kvcompress.kernels import scored_attention as kernel
 from kvcompress.methods.quantization.turboquant import random_case, selftest_case
@@ -24,10 +24,9 @@ pytestmark = pytest.mark.skipif(cuda_on_cpu.GXX is None, reason="needs g++")
 def emulated_cuda(monkeypatch, tmp_path):
     """mx.fast.cuda_kernel runs kernels on the CPU; the kernel modules build theirs anew."""
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_on_cpu.emulated(tmp_path))
-    for module, cache in ((evict, "_kernels"), (evict, "_slot_kernels"), (kivi_attention, "_kernels"),
-                          (kivi_attention_mma, "_kernels"), (turboquant_attention, "_kernels"),
-                          (kivi_quant, "_kernels"), (kernel, "_kernels"), (prompt_kernels, "_kernels")):
-        monkeypatch.setattr(module, cache, {})
+    dispatch.clear_kernel_caches()
+    yield
+    dispatch.clear_kernel_caches()
 
 
 def assert_close(got, want, what, atol=1e-6):
@@ -214,7 +213,7 @@ def test_the_self_test_checks_the_tensor_core_kernel_too(emulated_cuda, monkeypa
     launches = []
     real = kivi_attention_mma.partials
     monkeypatch.setattr(kivi_attention_mma, "partials", lambda *a, **k: launches.append(a[1]) or real(*a, **k))
-    kivi_attention._selftest("cuda", mx.float16, (2, 2, 32, 64, 4, 1, False))
+    kivi_attention.selftest("cuda", mx.float16, (2, 2, 32, 64, 4, 1, False))
     assert len(launches) == 1
 
     def wrong(*a, **k):  # the tensor-core kernel's partial outputs (the last but one array) twice too large
@@ -224,7 +223,7 @@ def test_the_self_test_checks_the_tensor_core_kernel_too(emulated_cuda, monkeypa
 
     monkeypatch.setattr(kivi_attention_mma, "partials", wrong)
     with pytest.raises(AssertionError, match="tensor cores"):
-        kivi_attention._selftest("cuda", mx.float16, (2, 2, 32, 64, 4, 1, False))
+        kivi_attention.selftest("cuda", mx.float16, (2, 2, 32, 64, 4, 1, False))
 
 
 def test_tensor_cores_alone_where_no_token_is_left(emulated_cuda):
@@ -356,27 +355,27 @@ def test_every_self_test_passes_its_kernel(emulated_cuda):
     """The self-tests the dispatch runs on a GPU's first call: their own code (arguments, the
     comparison) runs here against the emulated kernels, so a broken self-test would not silently
     turn a GPU to the reference."""
-    evict._slot_selftest("cuda")
-    evict._selftest("cuda", mx.float32, True, False)
-    kivi_quant._selftest("cuda", mx.float32, 2, 32, True)
-    kivi_attention._selftest("cuda", mx.float32, (4, 2, 32, 64, 4, 1, False))
-    turboquant_attention._selftest("cuda", *selftest_case((3, 3, 64, 4, True)))
-    kernel._selftest("cuda", mx.float32, (4, 64, True, True, True))  # every option (the others: fewer branches)
-    prompt_kernels._selftest("cuda", mx.float32, (32, True))
+    evict.slot_selftest("cuda")
+    evict.selftest("cuda", mx.float32, True, False)
+    kivi_quant.selftest("cuda", mx.float32, 2, 32, True)
+    kivi_attention.selftest("cuda", mx.float32, (4, 2, 32, 64, 4, 1, False))
+    turboquant_attention.selftest("cuda", *selftest_case((3, 3, 64, 4, True)))
+    kernel.selftest("cuda", mx.float32, (4, 64, True, True, True))  # every option (the others: fewer branches)
+    prompt_kernels.selftest("cuda", mx.float32, (32, True))
 
 
 def test_a_self_test_rejects_a_wrong_kernel(emulated_cuda, monkeypatch):
     monkeypatch.setattr(kernel, "_FINISH_BODY", kernel._FINISH_BODY.replace("slot_out[row] = best_slot[0]",
                                                                             "slot_out[row] = best_slot[1]"))
     with pytest.raises(AssertionError, match="slot"):
-        kernel._selftest("cuda", mx.float32, (4, 64, True, False, True))
+        kernel.selftest("cuda", mx.float32, (4, 64, True, False, True))
 
 
 def test_the_turboquant_self_test_rejects_a_kernel_without_the_qjl_term(emulated_cuda, monkeypatch):
     monkeypatch.setattr(turboquant_attention, "CUDA_ATTN_SOURCE", turboquant_attention.CUDA_ATTN_SOURCE.replace(
         "(dot[m][i] + rn[i] * qj[m][i])", "dot[m][i]"))
     with pytest.raises(AssertionError, match="turboquant_decode_attention self-test"):
-        turboquant_attention._selftest("cuda", *selftest_case((3, 3, 64, 4, True)))
+        turboquant_attention.selftest("cuda", *selftest_case((3, 3, 64, 4, True)))
 
 
 def test_turboquant_cache_decodes_through_the_kernel(emulated_cuda, monkeypatch):

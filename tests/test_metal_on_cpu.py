@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import metal_on_cpu
-from kvcompress.kernels import evict, kivi_attention, kivi_quant, turboquant_attention
+from kvcompress.kernels import dispatch, evict, kivi_attention, kivi_quant, turboquant_attention
 from kvcompress.kernels import scored_attention as kernel
 from kvcompress.methods.quantization.turboquant import random_case, selftest_case
 
@@ -25,9 +25,9 @@ needs_clang = pytest.mark.skipif(metal_on_cpu.CLANG is None, reason="needs clang
 def emulated_metal(monkeypatch, tmp_path):
     """mx.fast.metal_kernel runs kernels on the CPU; the kernel modules build theirs anew."""
     monkeypatch.setattr(mx.fast, "metal_kernel", metal_on_cpu.emulated(tmp_path))
-    for module, cache in ((evict, "_kernels"), (evict, "_slot_kernels"), (kivi_attention, "_kernels"),
-                          (kivi_quant, "_kernels"), (kernel, "_kernels"), (turboquant_attention, "_kernels")):
-        monkeypatch.setattr(module, cache, {})
+    dispatch.clear_kernel_caches()
+    yield
+    dispatch.clear_kernel_caches()
 
 
 def test_every_metal_kernel_module_is_emulated_here():
@@ -342,9 +342,9 @@ def test_scored_attention_refuses_heads_beyond_metal_s_threadgroup_memory(emulat
 
 def test_every_self_test_passes_its_kernel(emulated_metal):
     """The self-tests a Mac's first call runs, on the emulated Metal kernels."""
-    evict._slot_selftest("metal")
-    evict._selftest("metal", mx.float32, True, False)
-    kivi_quant._selftest("metal", mx.float32, 2, 32, True)
-    kivi_attention._selftest("metal", mx.float32, (4, 2, 32, 64, 4, 1, False))
-    turboquant_attention._selftest("metal", *selftest_case((3, 3, 64, 4, False)))
-    kernel._selftest("metal", mx.float32, (4, 64, True, True, True))
+    evict.slot_selftest("metal")
+    evict.selftest("metal", mx.float32, True, False)
+    kivi_quant.selftest("metal", mx.float32, 2, 32, True)
+    kivi_attention.selftest("metal", mx.float32, (4, 2, 32, 64, 4, 1, False))
+    turboquant_attention.selftest("metal", *selftest_case((3, 3, 64, 4, False)))
+    kernel.selftest("metal", mx.float32, (4, 64, True, True, True))

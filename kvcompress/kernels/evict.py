@@ -241,16 +241,13 @@ METAL_SOURCE = """
 
 _INPUTS = ["keys", "values", "scores", "positions", "evict_by", "cos_theta", "sin_theta"]
 _OUTPUTS = ["keys_out", "values_out", "scores_out", "positions_out", "evicted_out"]
-_kernels: dict[str, object] = {}
+_kernels = dispatch.kernel_cache()
 
 
 def _kernel(backend: str):
     if backend not in _kernels:
-        names = dict(name="evict_one", input_names=_INPUTS, output_names=_OUTPUTS)
-        if backend == "cuda":
-            _kernels[backend] = mx.fast.cuda_kernel(**names, source=CUDA_SOURCE, header=CUDA_HEADER)
-        else:
-            _kernels[backend] = mx.fast.metal_kernel(**names, source=METAL_SOURCE, header=METAL_HEADER)
+        source, header = (CUDA_SOURCE, CUDA_HEADER) if backend == "cuda" else (METAL_SOURCE, METAL_HEADER)
+        _kernels[backend] = dispatch.fast_kernel(backend, "evict_one", source, header, _INPUTS, _OUTPUTS)
     return _kernels[backend]
 
 
@@ -289,7 +286,7 @@ def evict_one_fused(
     return tuple(outs)
 
 
-def _selftest(backend: str, dtype, compact: bool, traditional: bool) -> None:
+def selftest(backend: str, dtype, compact: bool, traditional: bool) -> None:
     """Bit-exact check of the fused kernel against the reference on a small random problem with
     score ties (the lowest-index rule) and 72-byte rows (the scalar copy path) besides 128-byte ones."""
     for R, n, D in ((3, 77, 36), (4, 300, 64)):
@@ -310,7 +307,7 @@ def evict_one(keys, values, scores, positions, evict_by, n_sink, recent, rotatio
     """Decode-step eviction: the fused kernel where it passed its self-test on this machine, else the
     MLX reference (kvcompress/kernels/dispatch.py; KVCOMPRESS_KERNELS forces either)."""
     variant = (rotation is not None, bool(traditional))
-    backend = dispatch.select("evict_one", keys.dtype, variant, lambda b: _selftest(b, keys.dtype, *variant))
+    backend = dispatch.select("evict_one", keys.dtype, variant, lambda b: selftest(b, keys.dtype, *variant))
     if backend is None:
         return evict_one_reference(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional)
     return evict_one_fused(keys, values, scores, positions, evict_by, n_sink, recent, rotation, traditional, backend)
@@ -401,18 +398,15 @@ _SLOT_INDEX = {
     const int threads = threads_per_threadgroup.x;
 """,
 }
-_slot_kernels: dict[str, object] = {}
+_slot_kernels = dispatch.kernel_cache()
 
 
 def _slot_kernel(backend: str):
     if backend not in _slot_kernels:
-        names = dict(name="evict_slot", input_names=["evict_by", "positions", "bounds"], output_names=["slot_out"])
         defines = f"#define SLOT_THREADS {SLOT_THREADS}\n#define SLOT_UNROLL {SLOT_UNROLL}\n"
-        source = _SLOT_INDEX[backend] + _SLOT_BODY
-        if backend == "cuda":
-            _slot_kernels[backend] = mx.fast.cuda_kernel(**names, source=source, header=CUDA_HEADER + defines)
-        else:
-            _slot_kernels[backend] = mx.fast.metal_kernel(**names, source=source, header=METAL_HEADER + defines)
+        header = (CUDA_HEADER if backend == "cuda" else METAL_HEADER) + defines
+        _slot_kernels[backend] = dispatch.fast_kernel(backend, "evict_slot", _SLOT_INDEX[backend] + _SLOT_BODY, header,
+                                                      ["evict_by", "positions", "bounds"], ["slot_out"])
     return _slot_kernels[backend]
 
 
@@ -432,7 +426,7 @@ def evict_slot_fused(evict_by, positions, n_sink, recent_start, backend="cuda"):
     return slot
 
 
-def _slot_selftest(backend: str) -> None:
+def slot_selftest(backend: str) -> None:
     """Bit-exact check on rows with score ties and shuffled positions (slots out of order)."""
     for R, n in ((3, 77), (5, 1000)):
         k1, k2 = mx.random.split(mx.random.key(n), 2)
@@ -445,7 +439,7 @@ def _slot_selftest(backend: str) -> None:
 def evict_slot(evict_by, positions, n_sink, recent_start):
     """One-pass eviction: the fused kernel where it passed its self-test on this machine, else the
     MLX reference (kvcompress/kernels/dispatch.py; KVCOMPRESS_KERNELS forces either)."""
-    backend = dispatch.select("evict_slot", mx.float32, (), _slot_selftest)
+    backend = dispatch.select("evict_slot", mx.float32, (), slot_selftest)
     if backend is None:
         return evict_slot_reference(evict_by, positions, n_sink, recent_start)
     return evict_slot_fused(evict_by, positions, n_sink, recent_start, backend)

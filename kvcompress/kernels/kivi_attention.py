@@ -542,7 +542,7 @@ def scalar_shared_bytes(D: int, M: int) -> int:
 
 
 _ATTN_INPUTS = ["q", "kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "dims", "params"]
-_kernels: dict[tuple[str, str], object] = {}
+_kernels = dispatch.kernel_cache()
 
 
 def _kernel(which: str, backend: str):
@@ -789,7 +789,7 @@ def random_case(key_bits: int, value_bits: int, group_size: int, D: int, M: int,
 _SELFTEST_TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
 
 
-def _selftest(backend: str, dtype, variant: tuple) -> None:
+def selftest(backend: str, dtype, variant: tuple) -> None:
     key_bits, value_bits, group_size, D, M, L, causal = variant
     q, keys, values = random_case(key_bits, value_bits, group_size, D, M, L, dtype, seed=1)
     mask = "causal" if causal else None
@@ -827,7 +827,7 @@ def decode_attention(queries, keys: PackedSide, values: PackedSide, scale: float
             dispatch.record_reference("kivi_decode_attention", queries.dtype)
             return decode_attention_reference(queries, keys, values, scale, mask, key_bits, value_bits, group_size)
         backend = dispatch.select("kivi_decode_attention", queries.dtype, variant,
-                                  lambda b: _selftest(b, queries.dtype, variant),
+                                  lambda b: selftest(b, queries.dtype, variant),
                                   cpu=cpu_supported(queries, keys, group_size))
         if backend == "cpu":
             return decode_attention_cpu(queries, keys, values, scale, causal, key_bits, value_bits, group_size)

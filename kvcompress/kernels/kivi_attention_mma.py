@@ -506,7 +506,7 @@ def source(scalar_body: str | None) -> str:
 
 INPUTS = ["q", "kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "dims", "params"]
 OUTPUTS = ["o_part", "stats", "o_mma", "st_mma"]
-_kernels: dict[tuple[str, str | None], object] = {}  # (header, scalar body) -> kernel
+_kernels = dispatch.kernel_cache()  # (header, scalar body) -> kernel
 
 
 def _kernel(header: str, scalar_body: str | None):

@@ -290,7 +290,7 @@ METAL_HEADER = """
 """ + _CODE_RULE
 METAL_SOURCE = "const long gid = (long)thread_position_in_grid.x;\n" + _BODY
 
-_kernels: dict[str, object] = {}
+_kernels = dispatch.kernel_cache()
 
 
 def _kernel(backend: str):
@@ -365,7 +365,7 @@ def _plan(shape: tuple, dtype, bits: int, group_size: int, per_channel: bool, ax
     return {"dims": dims, "launch": launch}
 
 
-def _selftest(backend: str, dtype, bits: int, group_size: int, per_channel: bool) -> None:
+def selftest(backend: str, dtype, bits: int, group_size: int, per_channel: bool) -> None:
     """Bit-exact check of the kernel against the reference on a small random input (with a
     constant group and exact ties), outputs poisoned so an unwritten element cannot pass."""
     shape = (2, 3, 2 * group_size, 64) if per_channel else (2, 5, 2 * group_size)
@@ -387,7 +387,7 @@ def quantize_pack(x: mx.array, bits: int, group_size: int, per_channel: bool = F
         dispatch.record_reference("kivi_quantize_pack", x.dtype)
         return _reference(x, bits, group_size, per_channel)
     backend = dispatch.select("kivi_quantize_pack", x.dtype, (bits, group_size, per_channel),
-                              lambda b: _selftest(b, x.dtype, bits, group_size, per_channel))
+                              lambda b: selftest(b, x.dtype, bits, group_size, per_channel))
     if backend is None:
         return _reference(x, bits, group_size, per_channel)
     return _launch(x, bits, group_size, per_channel, backend, None, axis_len)

@@ -426,7 +426,7 @@ _COLUMN_SUMS_BODY = _COMMON + """
 """
 
 
-_kernels: dict[str, object] = {}
+_kernels = dispatch.kernel_cache()
 
 
 def _kernel(which: str):
@@ -484,7 +484,7 @@ def random_noise(R: int, G: int, L: int, n: int, redraw: bool = True, seed: int 
     return PromptNoise(noise_streams(seed, 3, mx.arange(R * G, dtype=mx.uint32).reshape(R, G)), redraw, tau, n - L)
 
 
-def _selftest(backend: str, dtype, variant: tuple) -> None:
+def selftest(backend: str, dtype, variant: tuple) -> None:
     D, noisy = variant
     if backend != "cuda":
         raise NotImplementedError("prompt_scores kernels: CUDA only")
@@ -503,4 +503,4 @@ def fuses(queries: mx.array, keys: mx.array, noisy: bool = False) -> bool:
     if not (shape_supported(D, keys.dtype) and queries.dtype == keys.dtype and keys.shape[-1] == D):
         return False
     variant = (D, noisy)
-    return dispatch.select("prompt_scores", keys.dtype, variant, lambda b: _selftest(b, keys.dtype, variant)) is not None
+    return dispatch.select("prompt_scores", keys.dtype, variant, lambda b: selftest(b, keys.dtype, variant)) is not None

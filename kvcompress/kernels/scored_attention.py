@@ -485,7 +485,7 @@ inline float gumbel(unsigned int step_hash, unsigned int position) {
 }
 """,
 }
-_kernels: dict[tuple[str, str], object] = {}
+_kernels = dispatch.kernel_cache()
 
 
 def kernel_source(which: str, backend: str) -> str:
@@ -628,7 +628,7 @@ def random_noise(R: int, G: int, allocated: int, redraw: bool = True, seed: int 
     return GumbelNoise(streams, positions, allocated + 17 if redraw else None, 1.37)
 
 
-def _selftest(backend: str, dtype, variant: tuple) -> None:
+def selftest(backend: str, dtype, variant: tuple) -> None:
     G, D, accumulate, noisy, evicts = variant
     q, keys, values, scores = random_case(3, G, D, 1000, 1100, dtype, seed=1)
     given = scores if accumulate else None
@@ -666,7 +666,7 @@ def _backend(q, accumulate: bool, noisy: bool, evicts: bool) -> str | None:
         dispatch.record_reference("scored_attention", q.dtype)
         return None
     variant = (q.shape[1], q.shape[2], accumulate, noisy, evicts)
-    return dispatch.select("scored_attention", q.dtype, variant, lambda b: _selftest(b, q.dtype, variant))
+    return dispatch.select("scored_attention", q.dtype, variant, lambda b: selftest(b, q.dtype, variant))
 
 
 def fuses(q, accumulate: bool, noisy: bool, evicts: bool) -> bool:

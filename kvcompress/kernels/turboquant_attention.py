@@ -322,7 +322,7 @@ METAL_COMBINE_SOURCE = ("const int tid = (int)thread_position_in_threadgroup.x;"
                         " const long row = (long)threadgroup_position_in_grid.x;\n" + _COMBINE_BODY)
 
 _ATTN_INPUTS = ["qr", "qs", "kc", "kn_in", "ks", "kr", "vc", "vn_in", "consts", "dims"]
-_kernels: dict[tuple[str, str], object] = {}
+_kernels = dispatch.kernel_cache()
 
 
 def _kernel(which: str, backend: str):
@@ -435,7 +435,7 @@ def with_fresh_tokens(out: mx.array, lse: mx.array, q: mx.array, fresh_k: mx.arr
 _SELFTEST_TOLERANCE = 2e-3
 
 
-def _selftest(backend: str, q: mx.array, keys: Coded, values: Coded, n: int) -> None:
+def selftest(backend: str, q: mx.array, keys: Coded, values: Coded, n: int) -> None:
     """The fused kernel against the reference on a random case of one variant (the method's
     `selftest_case`: real codes of a real cache, which only the method can make)."""
     D = q.shape[-1]
@@ -457,4 +457,4 @@ def decode_backend(q: mx.array, keys: Coded | None, values: Coded | None, n: int
         dispatch.record_reference(KERNEL, dtype)
         return None
     variant = (keys.codec.code_bits, values.codec.bits, q.shape[-1], q.shape[-2], keys.codec.qjl)
-    return dispatch.select("turboquant_decode_attention", dtype, variant, lambda backend: _selftest(backend, *selftest_case(variant)))
+    return dispatch.select("turboquant_decode_attention", dtype, variant, lambda backend: selftest(backend, *selftest_case(variant)))

@@ -8,6 +8,11 @@ appended to a JSONL file, so a rerun resumes; the table is printed from that fil
 
     python benchmarks/ruler_parity.py --results /tmp/ruler-parity.jsonl            # run, then table
     python benchmarks/ruler_parity.py --results /tmp/ruler-parity.jsonl --table    # table only
+    python benchmarks/ruler_parity.py --results /tmp/ruler-parity.jsonl --features /tmp/niah-single-3.jsonl
+
+--features writes niah_single_3's samples feature by feature (tokenizer only, seconds): per sample of
+each generator its value's and key's tokens, context tokens, the needle's depth and answer budget;
+the features table joins them with the scores and prompt lengths of --results.
 
 Scores: mean with a 95% Wilson interval (as the QUALITY.md ceiling table), n samples each. RULER's
 generator drops an essay haystack by 500 words when a redrawn sample overflows (niah.py's retry
@@ -19,19 +24,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import statistics
 import time
 from pathlib import Path
 
 import kvcompress  # noqa: F401  (first: preloads OpenBLAS before mlx)
 from kvcompress import datasets
-from kvcompress.datasets.ruler import OFFLINE_TASKS, Ruler
+from kvcompress.datasets.ruler import OFFLINE_TASKS, Ruler, answer_budget
 from kvcompress.datasets.ruler_reference import load_ruler_samples
-from kvcompress.model import load_model
+from kvcompress.model import load_model, load_tokenizer
 from kvcompress.runner import reference
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "ruler_reference"
 CONTEXT_TOKENS = 1024
 HALF_LENGTH = 0.5  # a RULER sample under half of max_seq_length was cut by its 500-word retry
+NEEDLE = re.compile(r"One of the special magic uuids for (.+?) is: (\S+)\.")
 
 
 def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -92,6 +100,57 @@ def table(results: Path, tasks: list[str]) -> str:
     return "\n".join(lines)
 
 
+def features(path: Path, n: int, seed: int) -> None:
+    """niah_single_3's samples of both generators, one row each (the task of issue #44's gap)."""
+    tokenizer = load_tokenizer()
+
+    def tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    raw = [json.loads(line) for line in (REFERENCE_DIR / "niah_single_3.jsonl").open()][:n]
+    budgets = {"ours": [answer_budget("niah_single_3")] * n,  # RULER's: its length less its prompt
+               "ruler": [r["length"] - tokens(r["input"] + r["answer_prefix"]) for r in raw]}
+    with path.open("w") as f:
+        for generator in ("ours", "ruler"):
+            for sample, budget in zip(samples(generator, "niah_single_3", n, seed, tokenizer), budgets[generator]):
+                needle = NEEDLE.search(sample["context"])
+                context = tokens(sample["context"])
+                f.write(json.dumps({"generator": generator, "sample_id": sample["id"],
+                                    "value_tokens": tokens(" " + needle.group(2)),
+                                    "key_tokens": tokens(" " + needle.group(1)), "context_tokens": context,
+                                    "needle_depth": tokens(sample["context"][:needle.start()]) / context,
+                                    "answer_budget": budget}) + "\n")
+
+
+def features_table(path: Path, results: Path) -> str:
+    """niah_single_3 per generator: the features' means or medians and ranges, with the full cache's
+    score and prompt lengths from the parity results (joined by sample id)."""
+    rows = [json.loads(line) for line in path.open()]
+    scored = {(r["generator"], r["sample_id"]): r for r in map(json.loads, results.open())
+              if r["task"] == "niah_single_3"}
+    cells: dict[str, list[str]] = {}
+    for generator in ("ours", "ruler"):
+        mine = [r for r in rows if r["generator"] == generator]
+        runs = [scored[(generator, r["sample_id"])] for r in mine]
+        depths = [r["needle_depth"] for r in mine]
+        wrong = sorted(r["needle_depth"] for r, run in zip(mine, runs) if run["score"] < 1)
+        budgets, prompts = [r["answer_budget"] for r in mine], [run["prompt_tokens"] for run in runs]
+        correct = sum(run["score"] for run in runs)
+        for name, value in [
+                ("value tokens, mean", f"{statistics.mean(r['value_tokens'] for r in mine):.1f}"),
+                ("key tokens, mean", f"{statistics.mean(r['key_tokens'] for r in mine):.1f}"),
+                ("answer budget", f"{min(budgets)}-{max(budgets)}" if min(budgets) < max(budgets) else f"{budgets[0]}"),
+                ("prompt tokens on our chat path", f"{min(prompts)}-{max(prompts)}"),
+                ("haystack, median context tokens", f"{statistics.median(r['context_tokens'] for r in mine):.0f}"),
+                ("needle depth (token fraction of the context)",
+                 f"median {statistics.median(depths):.2f}, range {min(depths):.2f}-{max(depths):.2f}"),
+                ("depths of the wrong answers", ", ".join(f"{d:.2f}" for d in wrong) or "-"),
+                ("full-cache score", f"{correct / len(runs):.2f} ({correct:g}/{len(runs)})")]:
+            cells.setdefault(name, []).append(value)
+    return "\n".join(["| feature | ours | RULER's |", "|---|---|---|",
+                      *(f"| {name} | {' | '.join(values)} |" for name, values in cells.items())])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, required=True, help="JSONL of per-sample results (appended)")
@@ -100,7 +159,13 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=25, help="samples per task and generator")
     parser.add_argument("--seed", type=int, default=1, help="our generator's seed (QUALITY.md uses 1)")
     parser.add_argument("--table", action="store_true", help="print the table from --results only")
+    parser.add_argument("--features", type=Path, default=None,
+                        help="write niah_single_3's features here and print their table (needs --results' scores)")
     args = parser.parse_args()
+    if args.features:
+        features(args.features, args.n, args.seed)
+        print(features_table(args.features, args.results))
+        return
     if not args.table:
         run(args.results, args.tasks, args.generators, args.n, args.seed)
     print(table(args.results, args.tasks))

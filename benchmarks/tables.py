@@ -63,6 +63,7 @@ class Table:
 
 H200 = "H200, MLX 0.32.4 CUDA, SmolLM2-135M fp32, 24 processes"
 CPU = "this project's 2-core CPU, SmolLM2-135M fp32"
+TOKENIZER = "this project's CPU, the embedded tokenizer only"
 ARCHIVES = {
     "quality-h200-2026-11-30.tar.xz": Archive("kv-results", "6e3d71c", H200, "2026-11-30", "H200 11-30"),
     "quality-adakv-cpu-2026-11-30.tar.xz": Archive("kv-results", "63cc09c", CPU, "2026-11-30", "CPU 11-30 (AdaKV safeguard)"),
@@ -76,6 +77,11 @@ ARCHIVES = {
     "quality-kvzip-h200-2026-12-05.tar.xz": Archive("kv-results", "c023458", H200, "2026-12-05", "H200 12-05"),
     "quality-kvzip-cpu-2026-12-05.tar.xz": Archive("kv-results", "84cbc0e", CPU, "2026-12-05", "CPU 12-05"),
     "quality-ea-epsilon-cpu-2026-12-07.tar.xz": Archive("kv-results", "17509a5", CPU, "2026-12-07", "CPU 12-07"),
+    "speed-cpu-2026-12-07.tar.xz": Archive("kv-speed-cpu", "8b5d02b", CPU, "2026-12-07", "CPU 12-07"),
+    "quantizer-kl-cpu-2026-12-07.jsonl.xz": Archive("", "18c2f0c", CPU, "2026-12-07", "CPU 12-07"),
+    "composition-cpu-2026-12-08.jsonl.xz": Archive("", "18c2f0c", CPU, "2026-12-08", "CPU 12-08"),
+    "workers-cpu-2026-12-07.jsonl.xz": Archive("", "18c2f0c", CPU, "2026-12-07", "CPU 12-07"),
+    "ruler-niah-single-3-features-cpu-2026-12-07.jsonl.xz": Archive("", "b955f2d", TOKENIZER, "2026-12-07", "12-07"),
 }
 
 VERDICTS = {"worse": "W", "better": "B", "not distinguishable": "n.d."}
@@ -205,28 +211,70 @@ def evidence_table(sources: list) -> str:
     return "\n".join(lines)
 
 
-def throughput(sources: list) -> str:
+def throughput(cpu: bool = False) -> Callable[[list], str]:
     """Decode throughput at equal KV memory per context (sql/throughput.sql: medians over the rounds,
-    min-max), and the caches whose runs failed."""
-    con = sources[0]
-    lines = ["| context | cache | batch | KV GiB | decode tok/s (min-max) | x full (min-max) | x full pipelined | "
-             "prefill s (batch) | rounds |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in records(con, "throughput"):
-        x_full = "1.00" if r["method"] == "full" else f"{r['x_full']:.2f} ({r['x_full_min']:.2f}-{r['x_full_max']:.2f})"
-        lines.append(f"| {r['context_tokens'] // 1024}k | {r['config_label']} | {r['batch']} | {r['live_kv_gib']:.1f} | "
-                     f"{r['decode_tok_s']:.0f} ({r['decode_tok_s_min']:.0f}-{r['decode_tok_s_max']:.0f}) | {x_full} | "
-                     f"{r['x_full_pipelined']:.2f} | {r['prefill_s']:.1f} | {r['rounds']} |")
-    failed = con.execute("SELECT context_tokens, config_label, any_value(status), count(*) FROM speed "
-                         "WHERE status <> 'ok' GROUP BY ALL ORDER BY ALL").fetchall()
-    for context, label, status, n in failed:
-        lines.append(f"| {context // 1024}k | {label} | - | - | {status} ({n} runs) | - | - | - | - |")
-    return "\n".join(lines)
+    min-max), and the caches whose runs failed. A CPU's table (the embedded model's small KV and slow
+    steps): KV in MiB, tok/s to a tenth, and the host's ms a step (KIVI's C++ kernel runs there)."""
+    kv_unit, scale, tok = ("MiB", 1024, ".1f") if cpu else ("GiB", 1, ".0f")
+
+    def context(tokens: int) -> str:
+        return f"{tokens // 1024}k" if tokens >= 1024 else str(tokens)
+
+    def write(sources: list) -> str:
+        con = sources[0]
+        columns = ["context", "cache", "batch", f"KV {kv_unit}", "decode tok/s (min-max)", "x full (min-max)",
+                   "x full pipelined", *(["host ms a step"] * cpu), "prefill s (batch)", "rounds"]
+        lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+        for r in records(con, "throughput"):
+            x_full = ("1.00" if r["method"] == "full"
+                      else f"{r['x_full']:.2f} ({r['x_full_min']:.2f}-{r['x_full_max']:.2f})")
+            cells = [context(r["context_tokens"]), r["config_label"], r["batch"], f"{r['live_kv_gib'] * scale:.1f}",
+                     f"{r['decode_tok_s']:{tok}} ({r['decode_tok_s_min']:{tok}}-{r['decode_tok_s_max']:{tok}})", x_full,
+                     f"{r['x_full_pipelined']:.2f}", *([f"{r['host_ms']:.1f}"] * cpu), f"{r['prefill_s']:.1f}",
+                     r["rounds"]]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+        failed = con.execute("SELECT context_tokens, config_label, any_value(status), count(*) FROM speed "
+                             "WHERE status <> 'ok' GROUP BY ALL ORDER BY ALL").fetchall()
+        for tokens, label, status, n in failed:
+            cells = [context(tokens), label, "-", "-", f"{status} ({n} runs)", *["-"] * (len(columns) - 5)]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    return write
 
 
 def ruler_parity(sources: list) -> str:
     import ruler_parity as parity
 
     return parity.table(sources[0], list(parity.OFFLINE_TASKS))
+
+
+def quantizer_kl(table: str) -> Callable[[list], str]:
+    """One of benchmarks/quantizer_kl.py's tables ("seeds", "kvquant", "essays") from its rows."""
+    def write(sources: list) -> str:
+        import quantizer_kl as kl
+
+        return {"seeds": kl.seeds_table, "kvquant": kl.kvquant_table, "essays": kl.essays_table}[table](sources[0])
+
+    return write
+
+
+def composition(sources: list) -> str:
+    import composition_cpu
+
+    return composition_cpu.table(sources[0])
+
+
+def workers(sources: list) -> str:
+    import workers as engines
+
+    return engines.table(sources[0])
+
+
+def niah_single_3(sources: list) -> str:
+    import ruler_parity as parity
+
+    return parity.features_table(sources[0], sources[1])
 
 
 QUALITY = "benchmarks/QUALITY.md"
@@ -244,7 +292,15 @@ TABLES = {
     "protocols": Table(QUALITY, EVERY_METHOD, protocols_resolved),
     "evidence": Table(QUALITY, EVERY_METHOD, evidence_table),
     "ruler-parity": Table(QUALITY, ("ruler-parity-cpu-2026-12-03.jsonl.xz",), ruler_parity),
-    "speed-h200": Table("docs/speed.md", ("speed-h200-2026-12-05.tar.xz",), throughput),
+    "niah-single-3": Table(QUALITY, ("ruler-niah-single-3-features-cpu-2026-12-07.jsonl.xz",
+                                     "ruler-parity-cpu-2026-12-03.jsonl.xz"), niah_single_3),
+    "speed-h200": Table("docs/speed.md", ("speed-h200-2026-12-05.tar.xz",), throughput()),
+    "quantizer-kl-seeds": Table("docs/methods.md", ("quantizer-kl-cpu-2026-12-07.jsonl.xz",), quantizer_kl("seeds")),
+    "kvquant-kl": Table("docs/methods.md", ("quantizer-kl-cpu-2026-12-07.jsonl.xz",), quantizer_kl("kvquant")),
+    "kvquant-kl-essays": Table("docs/methods.md", ("quantizer-kl-cpu-2026-12-07.jsonl.xz",), quantizer_kl("essays")),
+    "composition": Table("docs/methods.md", ("composition-cpu-2026-12-08.jsonl.xz",), composition),
+    "workers": Table("docs/many-machines.md", ("workers-cpu-2026-12-07.jsonl.xz",), workers),
+    "speed-cpu": Table("docs/speed.md", ("speed-cpu-2026-12-07.tar.xz",), throughput(cpu=True)),
 }
 
 REGION = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)

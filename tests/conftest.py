@@ -52,18 +52,20 @@ def prefect_server():
     server.stop()
 
 
-# Seconds each slow file took in a run of `make test` on the 2-core machine (two workers, each file
-# on one worker: `--dist loadfile`). The files run longest first and the Makefile turns off xdist's
-# own order (by the number of tests a file has), so a worker that frees takes the longest file left:
-# the two workers end close together. Only the order depends on these figures, never a result.
+# Seconds each file of 15 s or more took in a run of `make test` on the 2-core machine (2026-12-08,
+# two workers, each file on one worker: `--dist loadfile`; 1341 s wall). The files run longest first
+# and the Makefile turns off xdist's own order (by the number of tests a file has), so a worker that
+# frees takes the longest file left: the two workers end close together. Only the order depends on
+# these figures, never a result.
 FILE_SECONDS = {
-    "test_flow.py": 730, "test_runner.py": 460, "test_shard_workers.py": 280, "test_dask_shards.py": 170, "test_kernel_sources.py": 300, "test_cli.py": 280,
-    "test_reports.py": 140, "test_readme.py": 125, "test_sweep.py": 55, "test_install.py": 52,
-    "test_kivi.py": 51, "test_reference_selection.py": 45, "test_model.py": 36, "test_regression.py": 27, "test_kivi_attention_cpu.py": 25,
-    "test_benchmarks.py": 20, "test_architectures.py": 40, "test_composed.py": 30,
-    # added 2026-12-07, estimated from runs on a loaded machine (only the order depends on them)
-    "test_oneline.py": 300, "test_generation.py": 250, "test_attacks.py": 150, "test_short_prompts.py": 150,
-    "test_tables.py": 140, "test_load_prompt_cache.py": 60, "test_fromgguf.py": 40,
+    "test_cli.py": 302, "test_flow.py": 276, "test_kernel_sources.py": 221, "test_runner.py": 221,
+    "test_shard_workers.py": 206, "test_metal_on_cpu.py": 133, "test_attacks.py": 120,
+    "test_architectures.py": 111, "test_short_prompts.py": 99, "test_dask_shards.py": 97,
+    "test_reports.py": 96, "test_tables.py": 59, "test_readme.py": 48, "test_oneline.py": 45,
+    "test_methods.py": 45, "test_generation.py": 40, "test_expected_attention.py": 36, "test_composed.py": 36,
+    "test_turboquant.py": 32, "test_install.py": 29, "test_kivi.py": 27, "test_prefill_peak.py": 26,
+    "test_kvzip.py": 26, "test_model.py": 25, "test_reference_selection.py": 22, "test_scored_once.py": 20,
+    "test_load_prompt_cache.py": 20, "test_speed.py": 18, "test_fromgguf.py": 18, "test_benchmarks.py": 18,
 }
 
 

@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--jsonl", type=Path, default=None, help="write the rows here (default: a temporary file)")
     parser.add_argument("--table", action="store_true", help="print the table of --jsonl, measure nothing")
     args = parser.parse_args()
+    if args.table and args.jsonl is None:
+        parser.error("--table prints the table of --jsonl PATH: name the rows to read")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.jsonl or Path(tmp) / "composition.jsonl"
         if not args.table:

@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two configs, two seeds, the pass-key prompt only")
     parser.add_argument("--table", action="store_true", help="print the tables of --jsonl, measure nothing")
     args = parser.parse_args()
+    if args.table and args.jsonl is None:
+        parser.error("--table prints the table of --jsonl PATH: name the rows to read")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.jsonl or Path(tmp) / "quantizer-kl.jsonl"
         if not args.table:

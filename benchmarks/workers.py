@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--jsonl", type=Path, default=None, help="write the rows here (default: a temporary file)")
     parser.add_argument("--table", action="store_true", help="print the table of --jsonl, measure nothing")
     args = parser.parse_args()
+    if args.table and args.jsonl is None:
+        parser.error("--table prints the table of --jsonl PATH: name the rows to read")
     path = args.jsonl or Path(tempfile.mkdtemp(prefix="kvc-bench-workers-")) / "workers.jsonl"
     if not args.table:
         run(path, args.num_samples)
